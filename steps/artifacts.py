@@ -1,0 +1,151 @@
+"""Artifact directories: ``MANIFEST.json`` and publishing without partial results.
+
+Every output directory of a step ends with a ``MANIFEST.json`` written last. It names the
+artifact, the schema version, every file with its size and sha256, and the producing step
+with its version and parameters. Consumers call :func:`require` before they read anything.
+
+:func:`publish` gives a step a staging directory; only when the step's body finishes do the
+files move into the output directory and the manifest follows. On any error the output
+directory is left empty, so nothing partial is ever published.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from steps import __version__
+from steps.errors import StepError
+
+MANIFEST = "MANIFEST.json"
+SCHEMA_VERSION = 1
+_STAGING = ".staging"
+_HASH_CHUNK = 8 << 20
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def list_files(root: Path) -> list[Path]:
+    """Every regular file under ``root`` except the manifest, as sorted relative paths."""
+    files = [p.relative_to(root) for p in root.rglob("*") if p.is_file() and not p.is_symlink()]
+    return sorted(f for f in files if f.as_posix() != MANIFEST and _STAGING not in f.parts)
+
+
+def build_manifest(root: Path, artifact: str, step: str,
+                   parameters: dict[str, Any]) -> dict[str, Any]:
+    files = [{"path": rel.as_posix(), "size": (root / rel).stat().st_size,
+              "sha256": sha256_file(root / rel)} for rel in list_files(root)]
+    return {
+        "artifact": artifact,
+        "schema_version": SCHEMA_VERSION,
+        "producer": {"step": step, "version": __version__, "parameters": parameters},
+        "files": files,
+    }
+
+
+def write_manifest(root: Path, artifact: str, step: str, parameters: dict[str, Any]) -> Path:
+    """Hash every file under ``root`` and write ``MANIFEST.json`` atomically, last."""
+    manifest = build_manifest(root, artifact, step, parameters)
+    target = root / MANIFEST
+    tmp = root / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, target)
+    return target
+
+
+def read_manifest(root: Path, artifact: str) -> dict[str, Any]:
+    path = Path(root) / MANIFEST
+    if not path.is_file():
+        raise StepError(f"artifact '{artifact}' at {root}: {MANIFEST} is missing "
+                        "(the producing step did not finish)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise StepError(f"artifact '{artifact}' at {root}: {MANIFEST} is not valid JSON ({exc})")
+    if manifest.get("artifact") != artifact:
+        raise StepError(f"artifact '{artifact}' at {root}: {MANIFEST} names artifact "
+                        f"'{manifest.get('artifact')}'")
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise StepError(f"artifact '{artifact}' at {root}: {MANIFEST} schema version "
+                        f"{manifest.get('schema_version')} is not {SCHEMA_VERSION}")
+    return manifest
+
+
+def require(root: Path | str, artifact: str, check_hashes: bool = True) -> dict[str, Any]:
+    """Check that ``root`` holds a complete ``artifact``; return its manifest.
+
+    Every listed file must exist with the listed size (and sha256 when ``check_hashes``), and
+    no unlisted file may be present. Raises StepError naming the artifact and the file.
+    """
+    root = Path(root)
+    manifest = read_manifest(root, artifact)
+    listed = {entry["path"]: entry for entry in manifest["files"]}
+    for rel, entry in listed.items():
+        path = root / rel
+        if not path.is_file():
+            raise StepError(f"artifact '{artifact}' at {root}: {rel} is listed in {MANIFEST} "
+                            "but missing")
+        size = path.stat().st_size
+        if size != entry["size"]:
+            raise StepError(f"artifact '{artifact}' at {root}: {rel} has {size} bytes, "
+                            f"{MANIFEST} says {entry['size']}")
+        if check_hashes and sha256_file(path) != entry["sha256"]:
+            raise StepError(f"artifact '{artifact}' at {root}: {rel} does not match its "
+                            f"sha256 in {MANIFEST}")
+    extra = [rel.as_posix() for rel in list_files(root) if rel.as_posix() not in listed]
+    if extra:
+        raise StepError(f"artifact '{artifact}' at {root}: {extra[0]} is not listed in "
+                        f"{MANIFEST}")
+    return manifest
+
+
+def manifest_digest(root: Path | str) -> str:
+    """sha256 of an artifact's MANIFEST.json: one digest that pins every file in it."""
+    return sha256_file(Path(root) / MANIFEST)
+
+
+def _empty(directory: Path) -> None:
+    for child in directory.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
+@contextmanager
+def publish(out_dir: Path | str, artifact: str, step: str,
+            parameters: dict[str, Any]) -> Iterator[Path]:
+    """Yield an empty staging directory; on success publish it into ``out_dir``.
+
+    The staging directory lives inside ``out_dir`` (same filesystem, so moves are renames, and
+    no write outside the declared output). ``out_dir`` must be empty or absent. On success the
+    staged files move up and ``MANIFEST.json`` is written last; on any exception ``out_dir``
+    is emptied and the exception propagates.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    leftovers = [p.name for p in out_dir.iterdir()]
+    if leftovers:
+        raise StepError(f"output directory {out_dir} for '{artifact}' is not empty "
+                        f"(found {sorted(leftovers)[0]})")
+    staging = out_dir / _STAGING
+    staging.mkdir()
+    try:
+        yield staging
+        for child in sorted(staging.iterdir()):
+            os.replace(child, out_dir / child.name)
+        staging.rmdir()
+        write_manifest(out_dir, artifact, step, parameters)
+    except BaseException:
+        _empty(out_dir)
+        raise

@@ -1,0 +1,163 @@
+"""Training checkpoints in a local directory or under an S3 prefix, written atomically.
+
+Layout under the checkpoint URI::
+
+    ckpt-<global step, 10 digits>.pt   torch.save of a plain dict (loads with weights_only=True)
+    best-epoch<epoch, 4 digits>.pt     best weights so far (the model artifact's best.pt)
+    latest                             text: the name of the newest complete ckpt-*.pt
+
+A checkpoint file is complete before ``latest`` names it: locally it is written to a
+temporary name, fsynced and renamed; on S3 the object is uploaded (an S3 PUT is all or
+nothing) and only then is the ``latest`` object replaced. A crash at any moment therefore
+leaves ``latest`` naming a complete checkpoint, or absent.
+"""
+from __future__ import annotations
+
+import io
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from steps.errors import StepError
+
+LATEST = "latest"
+KEEP = 2
+_CKPT = re.compile(r"^ckpt-(\d{10})\.pt$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"ckpt-{step:010d}.pt"
+
+
+def best_name(epoch: int) -> str:
+    return f"best-epoch{epoch:04d}.pt"
+
+
+def _is_s3(uri: str) -> bool:
+    return uri.startswith("s3://")
+
+
+def _storage():
+    from steps import storage
+    return storage
+
+
+def serialize(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def deserialize(data: bytes, source: str) -> dict[str, Any]:
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unpickling fault is a bad checkpoint
+        raise StepError(f"checkpoint {source} cannot be loaded ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''})")
+
+
+class CheckpointStore:
+    """Checkpoints under ``uri`` (``s3://bucket/prefix`` or a local directory)."""
+
+    def __init__(self, uri: str):
+        self.uri = uri.rstrip("/")
+        self.s3 = _is_s3(uri)
+        if not self.s3:
+            Path(self.uri).mkdir(parents=True, exist_ok=True)
+
+    def _join(self, name: str) -> str:
+        return f"{self.uri}/{name}"
+
+    # -- primitive object operations -----------------------------------------------------
+    def write_bytes(self, name: str, data: bytes) -> None:
+        """Write ``name`` completely or not at all."""
+        if self.s3:
+            _storage().put_bytes(data, self._join(name))
+            return
+        target = Path(self._join(name))
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.uri)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp_name, target)
+        except BaseException:
+            Path(tmp_name).unlink(missing_ok=True)
+            raise
+        dir_fd = os.open(self.uri, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def read_bytes(self, name: str) -> bytes | None:
+        if self.s3:
+            storage = _storage()
+            if not storage.exists(self._join(name)):
+                return None
+            return storage.get_bytes(self._join(name))
+        path = Path(self._join(name))
+        return path.read_bytes() if path.is_file() else None
+
+    def names(self) -> list[str]:
+        if self.s3:
+            keys = _storage().list_keys(self.uri + "/")
+            return sorted(str(key).rstrip("/").rsplit("/", 1)[-1] for key in keys)
+        return sorted(p.name for p in Path(self.uri).iterdir() if p.is_file())
+
+    def delete(self, name: str) -> None:
+        if self.s3:
+            storage = _storage()
+            bucket, key = storage.parse_uri(self._join(name))
+            storage.client_for(self.uri).delete_object(Bucket=bucket, Key=key)
+        else:
+            Path(self._join(name)).unlink(missing_ok=True)
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save(self, state: dict[str, Any], step: int) -> str:
+        """Write ``state`` as the checkpoint of global ``step``, then point ``latest`` at it."""
+        name = checkpoint_name(step)
+        self.write_bytes(name, serialize(state))
+        self.write_bytes(LATEST, name.encode())
+        self.prune(keep_best=state.get("best_file"))
+        return name
+
+    def latest_name(self) -> str | None:
+        data = self.read_bytes(LATEST)
+        if data is None:
+            return None
+        name = data.decode().strip()
+        if not _CKPT.match(name):
+            raise StepError(f"checkpoint pointer {self._join(LATEST)} names '{name}', "
+                            "not a checkpoint file")
+        return name
+
+    def load_latest(self) -> dict[str, Any] | None:
+        """The newest complete checkpoint, or None when there is none."""
+        name = self.latest_name()
+        if name is None:
+            return None
+        return self.load(name)
+
+    def load(self, name: str) -> dict[str, Any]:
+        data = self.read_bytes(name)
+        if data is None:
+            raise StepError(f"checkpoint {self._join(name)} is named by "
+                            f"{self._join(LATEST)} but missing")
+        return deserialize(data, self._join(name))
+
+    def prune(self, keep_best: str | None = None) -> None:
+        """Keep the newest ``KEEP`` checkpoints and the best file in use; delete the rest."""
+        names = self.names()
+        ckpts = [n for n in names if _CKPT.match(n)]
+        doomed = ckpts[:-KEEP] + [n for n in names
+                                  if n.startswith("best-epoch") and n != keep_best]
+        # Temporary files of writes killed before their rename (local stores only).
+        doomed += [n for n in names if n.startswith(".") and n.endswith(".tmp")]
+        for name in doomed:
+            self.delete(name)

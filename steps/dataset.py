@@ -1,0 +1,124 @@
+"""The ``dataset`` artifact: format, fold split and memory-mapped reading.
+
+Layout (written by ``steps.preprocess``, read by ``steps.train`` and ``steps.convert``)::
+
+    dataset/
+      dataset.json                 metadata, below
+      cases/<case>_image.npy       (C, D, H, W) image, float16 (default) or float32
+      cases/<case>_label.npy       (D, H, W) uint8 label
+      MANIFEST.json                written last (steps.artifacts)
+
+Axes follow the anchors: a NIfTI image stored (x, y, z, c) becomes (c, z, y, x) = (C, D, H, W)
+(their transpose (3, 2, 1, 0)), so one D index is one axial 2D slice of shape (H, W) with H
+along y and W along x.
+
+``dataset.json`` keys:
+
+- ``format_version`` (int), ``name`` (str), ``mode`` ("default" or "anchor")
+- ``channels``: list of modality names in channel order, e.g. ["FLAIR", "T1w", "t1gd", "T2w"]
+- ``labels``: {"0": "background", "1": "edema", ...}
+- ``patch_size``: [H, W] training patch, e.g. [192, 160]
+- ``image_dtype``, ``label_dtype``: numpy dtype names
+- ``normalisation``: {"method": "zscore", "channel_wise": true, "nonzero": false,
+  "foreground_crop": true, "statistics": "<how mean and std were computed>"}
+- ``cases``: list of {"name", "image", "label" (paths relative to the artifact), "shape"
+  ([C, D, H, W] as stored), "spacing" ([D, H, W] in mm), "original_shape" ([x, y, z] of the
+  source NIfTI grid), "crop" ([[d0, d1], [h0, h1], [w0, w1]] half-open box in the source grid
+  after the transpose), "mean", "std" (per channel, before normalisation), "window"
+  ([[h0, h1], [w0, w1]] stored in-plane extent in crop coordinates; negative = padding),
+  "source_orientation" (axis codes of the source affine), "dtype_max_abs_error"}
+- ``orientation``, ``in_plane``: how voxel order and the in-plane extent were decided
+- ``normalisation`` also holds ``foreground`` (the crop's voxel test) and
+  ``image_dtype_error`` {"max_abs", "definition"}: the measured storage rounding error
+- ``folds``: five {"train": [case names], "val": [case names]}, the anchors' split
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from steps.artifacts import require
+from steps.errors import StepError
+
+DATASET_JSON = "dataset.json"
+FORMAT_VERSION = 1
+N_FOLDS = 5
+SPLIT_SEED = 12345
+
+
+def kfold_split(names: list[str], n_splits: int = N_FOLDS,
+                seed: int = SPLIT_SEED) -> list[dict[str, list[str]]]:
+    """The anchors' split: ``KFold(n_splits, shuffle=True, random_state=seed)`` over sorted names.
+
+    Reimplemented with NumPy's legacy RandomState so it gives exactly scikit-learn's folds.
+    """
+    ordered = sorted(names)
+    n = len(ordered)
+    if n < n_splits:
+        raise StepError(f"need at least {n_splits} cases for a {n_splits}-fold split, got {n}")
+    order = np.arange(n)
+    np.random.RandomState(seed).shuffle(order)
+    sizes = np.full(n_splits, n // n_splits, dtype=int)
+    sizes[: n % n_splits] += 1
+    folds, start = [], 0
+    for size in sizes:
+        val_index = set(order[start:start + size].tolist())
+        start += size
+        folds.append({
+            "train": [ordered[i] for i in range(n) if i not in val_index],
+            "val": [ordered[i] for i in range(n) if i in val_index],
+        })
+    return folds
+
+
+@dataclass
+class Case:
+    """One preprocessed case: ``image`` (C, D, H, W) and ``label`` (D, H, W), memory-mapped."""
+    name: str
+    image: np.ndarray
+    label: np.ndarray
+    spacing: tuple[float, float, float]
+
+
+def read_metadata(dataset_dir: Path | str, check_hashes: bool = True) -> dict[str, Any]:
+    """Verify the artifact's manifest and return its ``dataset.json``."""
+    dataset_dir = Path(dataset_dir)
+    require(dataset_dir, "dataset", check_hashes=check_hashes)
+    meta = json.loads((dataset_dir / DATASET_JSON).read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise StepError(f"artifact 'dataset' at {dataset_dir}: {DATASET_JSON} format_version "
+                        f"{meta.get('format_version')} is not {FORMAT_VERSION}")
+    return meta
+
+
+def fold_names(meta: dict[str, Any], fold: int) -> tuple[list[str], list[str]]:
+    """(train, val) case names of ``fold``; a fold out of range is a StepError."""
+    folds = meta["folds"]
+    if not 0 <= fold < len(folds):
+        raise StepError(f"--fold {fold} is out of range: dataset has folds 0..{len(folds) - 1}")
+    return list(folds[fold]["train"]), list(folds[fold]["val"])
+
+
+def open_cases(dataset_dir: Path | str, meta: dict[str, Any],
+               names: list[str] | None = None) -> list[Case]:
+    """Memory-map the cases called ``names`` (all cases when None), in that order."""
+    dataset_dir = Path(dataset_dir)
+    by_name = {case["name"]: case for case in meta["cases"]}
+    selected = list(by_name) if names is None else names
+    cases = []
+    for name in selected:
+        if name not in by_name:
+            raise StepError(f"artifact 'dataset' at {dataset_dir}: case '{name}' is not in "
+                            f"{DATASET_JSON}")
+        entry = by_name[name]
+        cases.append(Case(
+            name=name,
+            image=np.load(dataset_dir / entry["image"], mmap_mode="r"),
+            label=np.load(dataset_dir / entry["label"], mmap_mode="r"),
+            spacing=tuple(entry["spacing"]),
+        ))
+    return cases

@@ -1,0 +1,213 @@
+"""Segment one NIfTI case with the exported ONNX model alone (no torch, no checkpoint).
+
+    python -m steps.convert predict --onnx unet2d.onnx --image CASE.nii.gz --out LABEL.nii.gz
+
+The case goes through the same preprocessing as the ``dataset`` artifact (``steps.preprocess``:
+reorientation in ``default`` mode, foreground crop, channel-wise z-score with the crop's own
+statistics); the model's ``metadata_props`` say which mode and channels it was trained with.
+Inference is slice-wise: each axial slice (C, H, W) is padded at the bottom/right to the
+network's size multiple with the background's z-score, and the logits are cropped back.
+The argmax labels are put back into the source grid (zero outside the foreground crop) and
+written as a uint8 NIfTI with the input's shape (x, y, z) and affine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from steps.errors import StepError, run_main
+
+INPUT_NAME = "image"
+OUTPUT_NAME = "logits"
+DEFAULT_BATCH = 16
+
+
+# ------------------------------------------------------------------------- padding
+
+def background_fill(image: np.ndarray) -> np.ndarray:
+    """(C,) float32 per-channel minimum of a normalised (C, ...) image: the z-score of the
+    zero background, the value that preprocess pads with."""
+    return image.reshape(image.shape[0], -1).min(axis=1).astype(np.float32)
+
+
+def pad_to_multiple(x: np.ndarray, multiple: int, fill: np.ndarray) -> np.ndarray:
+    """Pad (N, C, H, W) at the bottom/right to multiples of ``multiple`` with ``fill`` (C,)."""
+    n, c, h, w = x.shape
+    ph, pw = -h % multiple, -w % multiple
+    if not ph and not pw:
+        return np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty((n, c, h + ph, w + pw), dtype=np.float32)
+    out[:] = fill.reshape(1, c, 1, 1)
+    out[..., :h, :w] = x
+    return out
+
+
+# -------------------------------------------------------------------------- the model
+
+def open_session(path: Path | str):
+    """onnxruntime session on the CPU execution provider; a bad file is a StepError."""
+    import onnxruntime as ort
+
+    path = Path(path)
+    if not path.is_file():
+        raise StepError(f"--onnx {path}: no such file")
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise StepError(f"--onnx {path}: not a loadable ONNX model ({reason})") from None
+
+
+def read_contract(session, path: Path | str) -> dict[str, Any]:
+    """The preprocessing contract that steps.convert stored in the model's metadata_props."""
+    props = session.get_modelmeta().custom_metadata_map
+    try:
+        contract = json.loads(props["preprocessing"])
+        contract["labels"] = json.loads(props["labels"])
+        int(contract["size_multiple"])
+        list(contract["channels"])
+    except (KeyError, ValueError, TypeError):
+        raise StepError(f"--onnx {path}: no preprocessing metadata (not written by "
+                        "steps.convert)") from None
+    return contract
+
+
+# ---------------------------------------------------------------------- preprocessing
+
+@dataclass
+class Prepared:
+    """A case ready for slice-wise inference: ``image`` (C, D, h, w) float32 normalised
+    foreground crop; ``box`` its [start, stop) per (D, H, W) axis in the reoriented grid of
+    shape ``grid``; ``volume`` the source NIfTI."""
+    image: np.ndarray
+    box: list[tuple[int, int]]
+    grid: tuple[int, int, int]
+    volume: Any
+
+
+def _channels_last(volume, channels: list[str]) -> np.ndarray:
+    """(x, y, z, C) float32 voxel values; anything else than len(channels) channels is refused."""
+    data = volume.values()
+    if data.ndim == 5 and data.shape[3] == 1:
+        data = data[:, :, :, 0, :]
+    n = data.shape[3] if data.ndim == 4 else 1 if data.ndim == 3 else None
+    if n != len(channels):
+        got = f"{n} channels" if n is not None else f"shape {list(data.shape)}"
+        raise StepError(f"--image {volume.path}: has {got}, the model needs {len(channels)} "
+                        f"({', '.join(channels)}) as (x, y, z, {len(channels)})")
+    data = np.asarray(data, dtype=np.float32)
+    if not np.isfinite(data.min()) or not np.isfinite(data.max()):
+        raise StepError(f"--image {volume.path}: has NaN/Inf voxels")
+    return data
+
+
+def prepare(path: Path | str, contract: dict[str, Any]) -> Prepared:
+    """Read ``path`` and apply the dataset's preprocessing (steps.preprocess functions)."""
+    from steps import nifti
+    from steps.preprocess import channel_stats, foreground_box, reorient, zscore
+
+    volume = nifti.load(path)
+    mode = contract.get("mode", "default")
+    image, _, _, _ = reorient(_channels_last(volume, list(contract["channels"])), None,
+                             volume, mode)
+    image = image.transpose(3, 2, 1, 0)  # (C, D, H, W) = (c, z, y, x)
+    box = foreground_box(image, mode == "anchor", Path(path).name)
+    (d0, d1), (h0, h1), (w0, w1) = box
+    crop = image[:, d0:d1, h0:h1, w0:w1]
+    out = np.empty(crop.shape, dtype=np.float32)
+    for c, channel in enumerate(crop):
+        out[c] = zscore(channel, *channel_stats(channel))
+    return Prepared(image=out, box=box, grid=tuple(image.shape[1:]), volume=volume)
+
+
+# -------------------------------------------------------------------------- inference
+
+def segment(session, image: np.ndarray, multiple: int,
+            batch: int = DEFAULT_BATCH) -> np.ndarray:
+    """Slice-wise argmax labels (D, H, W) uint8 of a normalised image (C, D, H, W)."""
+    _, depth, height, width = image.shape
+    fill = background_fill(image)
+    labels = np.empty((depth, height, width), dtype=np.uint8)
+    for start in range(0, depth, batch):
+        x = pad_to_multiple(image[:, start:start + batch].transpose(1, 0, 2, 3), multiple, fill)
+        logits = session.run([OUTPUT_NAME], {INPUT_NAME: x})[0]
+        labels[start:start + batch] = logits[..., :height, :width].argmax(axis=1)
+    return labels
+
+
+def restore(labels: np.ndarray, prepared: Prepared, mode: str) -> np.ndarray:
+    """(x, y, z) uint8 label in the source voxel grid: uncrop, untranspose, unreorient."""
+    from nibabel.orientations import apply_orientation, io_orientation, ornt_transform
+
+    full = np.zeros(prepared.grid, dtype=np.uint8)
+    (d0, d1), (h0, h1), (w0, w1) = prepared.box
+    full[d0:d1, h0:h1, w0:w1] = labels
+    full = full.transpose(2, 1, 0)  # (x, y, z) in the reoriented order
+    if mode != "anchor":
+        ornt = io_orientation(prepared.volume.affine)
+        identity = np.array([[0, 1], [1, 1], [2, 1]])
+        full = apply_orientation(full, ornt_transform(identity, ornt))
+    return np.ascontiguousarray(full)
+
+
+def write_label(labels: np.ndarray, affine: np.ndarray, path: Path) -> None:
+    import nibabel as nib
+
+    image = nib.Nifti1Image(labels, affine)
+    image.set_data_dtype(np.uint8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part" + "".join(path.suffixes))
+    nib.save(image, str(tmp))
+    tmp.replace(path)
+
+
+# -------------------------------------------------------------------------------- CLI
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, like every other bad input
+        raise StepError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m steps.convert predict",
+                description="Segment one NIfTI case (x, y, z, 4) with the exported ONNX "
+                            "model alone; writes a uint8 label NIfTI with the input's shape "
+                            "and affine.")
+    p.add_argument("--onnx", required=True, type=Path, metavar="FILE",
+                   help="the exported model (unet2d.onnx from the `exported` artifact)")
+    p.add_argument("--image", required=True, type=Path, metavar="CASE.nii.gz",
+                   help="input case, .nii or .nii.gz, channels in the model's order "
+                        "(FLAIR, T1w, t1gd, T2w for Task01)")
+    p.add_argument("--out", required=True, type=Path, metavar="LABEL.nii.gz",
+                   help="output uint8 label map (x, y, z); its directory is created")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
+                   help=f"slices per onnxruntime call (default {DEFAULT_BATCH})")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.batch_size < 1:
+        raise StepError(f"--batch-size {args.batch_size}: must be at least 1")
+    session = open_session(args.onnx)
+    contract = read_contract(session, args.onnx)
+    prepared = prepare(args.image, contract)
+    labels = segment(session, prepared.image, int(contract["size_multiple"]), args.batch_size)
+    full = restore(labels, prepared, contract.get("mode", "default"))
+    write_label(full, prepared.volume.affine, args.out)
+    counts = {contract["labels"].get(str(v), str(v)): int(n)
+              for v, n in enumerate(np.bincount(full.ravel(), minlength=1)) if v and n}
+    print(f"predict: {args.out} {list(full.shape)}, voxels per label {counts}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))

@@ -1,0 +1,94 @@
+"""The train step's report: loss and Dice curves, validation overlays and one HTML page.
+
+All figures use matplotlib's Agg backend (no display). Inputs are the per-epoch records of
+``metrics.json`` and a few validation slices: image (H, W) float, truth and prediction (H, W)
+int labels.
+"""
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_COLOURS = np.array([[0, 0, 0, 0], [1.0, 0.85, 0.1, 0.5], [0.1, 0.6, 1.0, 0.6],
+                     [1.0, 0.15, 0.15, 0.7]])
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_curves(epochs: list[dict[str, Any]], label_names: dict[str, str], path: Path) -> None:
+    """Training loss and validation Dice (mean and per class) against epoch."""
+    plt = _pyplot()
+    x = [e["epoch"] for e in epochs]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(x, [e["loss"] for e in epochs], marker="o")
+    left.set(title="training loss (Dice + CE)", xlabel="epoch", ylabel="loss")
+    right.plot(x, [e["mean_dice"] for e in epochs], marker="o", label="mean", linewidth=2)
+    for cls, name in label_names.items():
+        right.plot(x, [e["dice"][cls] for e in epochs], marker=".", label=f"{cls} {name}")
+    right.set(title="validation Dice", xlabel="epoch", ylabel="Dice", ylim=(0, 1))
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _overlay(ax, image: np.ndarray, label: np.ndarray, title: str) -> None:
+    ax.imshow(image, cmap="gray")
+    ax.imshow(_COLOURS[np.clip(label, 0, len(_COLOURS) - 1)], interpolation="nearest")
+    ax.set_title(title, fontsize=8)
+    ax.axis("off")
+
+
+def plot_overlays(samples: list[dict[str, Any]], path: Path) -> None:
+    """One row per sample: truth and prediction over the first channel (e.g. FLAIR)."""
+    plt = _pyplot()
+    rows = max(1, len(samples))
+    fig, axes = plt.subplots(rows, 2, figsize=(6, 3 * rows), squeeze=False)
+    for row, sample in zip(axes, samples):
+        name = f"{sample['case']} slice {sample['slice']}"
+        _overlay(row[0], sample["image"], sample["truth"], f"{name}: truth")
+        _overlay(row[1], sample["image"], sample["prediction"], f"{name}: prediction")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def write_report(out: Path, metrics: dict[str, Any], label_names: dict[str, str],
+                 samples: list[dict[str, Any]]) -> None:
+    """Write ``curves.png``, ``overlays.png`` and ``report.html`` into ``out``."""
+    epochs = metrics["epochs"]
+    plot_curves(epochs, label_names, out / "curves.png")
+    plot_overlays(samples, out / "overlays.png")
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{v}</td>" for v in (
+            e["epoch"], f"{e['loss']:.4f}", f"{e['mean_dice']:.4f}",
+            *(f"{e['dice'][c]:.4f}" for c in label_names), f"{e['img_per_s']:.1f}",
+            f"{e['seconds']:.1f}")) + "</tr>" for e in epochs)
+    heads = "".join(f"<th>Dice {html.escape(n)}</th>" for n in label_names.values())
+    summary = {k: metrics[k] for k in ("best_epoch", "best_mean_dice", "device", "world_size",
+                                       "precision") if k in metrics}
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>U-Net training report</title>
+<style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}</style></head><body>
+<h1>U-Net training report</h1>
+<pre>{html.escape(json.dumps(summary, indent=1))}</pre>
+<h2>Curves</h2><img src="curves.png" alt="loss and Dice curves">
+<h2>Epochs</h2>
+<table><tr><th>epoch</th><th>loss</th><th>mean Dice</th>{heads}<th>img/s</th><th>s</th></tr>
+{rows}</table>
+<h2>Validation slices (left truth, right prediction)</h2>
+<img src="overlays.png" alt="validation overlays">
+</body></html>
+"""
+    (out / "report.html").write_text(page)

@@ -1,0 +1,636 @@
+"""Train step: the anchors' 2D nnU-Net on HPUs, GPUs or CPU; resumable; writes ``model``.
+
+    python -m steps.train --dataset DIR --model DIR [--device auto] [--devices N] ...
+
+Reads the ``dataset`` artifact (steps.dataset), trains MONAI's DynUNet (steps.model) with
+Dice + CE and deep supervision (steps.losses) on stateless 2D batches augmented on the device
+(steps.sampler), validates per volume every epoch, checkpoints to ``--checkpoint-uri``
+(steps.checkpoints) and publishes the ``model`` artifact:
+
+    best.pt, last.pt     {"model_state", "model_config", "train_config", "metrics",
+                          "dataset_manifest_sha256", "patch_size", "channels", "labels",
+                          "format_version"}; torch.load(weights_only=True) loads them
+    metrics.json         one record per epoch (loss, Dice per class and mean, img/s, ...)
+    report.html, curves.png, overlays.png
+    argo-outputs/{mean_dice,best_epoch,img_per_s}   plain text, for Argo output parameters
+
+``--devices N`` with N > 1 re-launches this module under ``torch.distributed.run`` (or is
+launched by it: RANK / WORLD_SIZE in the environment). Only rank 0 logs and writes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from steps import devices
+from steps.artifacts import manifest_digest, publish
+from steps.dataset import fold_names, open_cases, read_metadata
+from steps.errors import StepError, run_main
+
+STEP = "train"
+MODEL_FORMAT_VERSION = 1
+N_OVERLAYS = 3
+_CHECKED_ENV = "STEPS_TRAIN_INPUTS_CHECKED"   # set by relaunch: the parent hashed the dataset
+
+
+# ------------------------------------------------------------------------------- CLI
+
+def _bool(text: str) -> bool:
+    value = str(text).strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got '{text}'")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, like every other bad input
+        raise StepError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m steps.train", description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--dataset", required=True, help="input `dataset` artifact directory")
+    p.add_argument("--model", required=True, help="output `model` artifact directory (empty)")
+    g = p.add_argument_group("devices")
+    g.add_argument("--device", default="auto", choices=devices.DEVICE_KINDS,
+                   help="hpu, cuda or cpu; auto picks the first present in that order")
+    g.add_argument("--devices", type=int, default=1,
+                   help="number of devices; >1 runs DDP via torch.distributed.run")
+    g.add_argument("--precision", default="auto", choices=devices.PRECISIONS,
+                   help="autocast dtype; auto = bf16 on hpu, bf16/fp16 on cuda, fp32 on cpu")
+    g.add_argument("--hpu-mode", default="compile", choices=devices.HPU_MODES,
+                   help="Gaudi execution: torch.compile(hpu_backend) with PT_HPU_LAZY_MODE=0 "
+                        "(Habana's recommendation), lazy mode with mark_step, or eager")
+    g.add_argument("--num-workers", type=int, default=2,
+                   help="DataLoader worker processes building batches (0 = in process)")
+    g = p.add_argument_group("model")
+    g.add_argument("--base-filters", type=int, default=32,
+                   help="filters of the first level (the anchors: 32); doubles per level")
+    g.add_argument("--levels", type=int, default=6,
+                   help="U-Net levels (the anchors: 6); H and W must divide 2**(levels-1)")
+    g.add_argument("--norm", default="instance", choices=("instance", "batch", "group"),
+                   help="normalisation layer")
+    g.add_argument("--deep-supervision", type=_bool, default=True,
+                   help="train with two extra heads weighted 0.5 and 0.25 (true|false)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--batch-size", type=int, default=64,
+                   help="global batch: 2D slices per step over all devices")
+    g.add_argument("--val-batch-size", type=int, default=64,
+                   help="slices per forward pass during validation (per device)")
+    g.add_argument("--learning-rate", type=float, default=1e-3, help="peak learning rate")
+    g.add_argument("--weight-decay", type=float, default=1e-4, help="weight decay")
+    g.add_argument("--optimizer", default="adamw", choices=devices.OPTIMIZERS,
+                   help="adamw, sgd, or Habana's FusedAdamW (hpu only)")
+    g.add_argument("--min-epochs", type=int, default=1,
+                   help="never stop early before this many epochs")
+    g.add_argument("--max-epochs", type=int, default=10, help="stop after this many epochs")
+    g.add_argument("--patience", type=int, default=5,
+                   help="stop after this many epochs without a better mean Dice (0 = never)")
+    g.add_argument("--steps-per-epoch", type=int, default=0,
+                   help="optimizer steps per epoch; 0 = one pass over the training slices")
+    g.add_argument("--fold", type=int, default=0, help="validation fold 0..4 of dataset.json")
+    g.add_argument("--seed", type=int, default=1,
+                   help="seed of initialisation, batches and augmentation")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--checkpoint-uri", default="",
+                   help="s3://bucket/prefix or a local directory for checkpoints; empty = none")
+    g.add_argument("--checkpoint-minutes", type=float, default=10.0,
+                   help="also checkpoint within an epoch at this interval (0 = epochs only)")
+    g.add_argument("--resume", default="auto", choices=("auto", "never"),
+                   help="auto continues from the latest checkpoint at --checkpoint-uri")
+    g.add_argument("--resume-from", default="",
+                   help="URI of an earlier run's checkpoints to start from (empty = none)")
+    return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    positive = ("devices", "batch_size", "val_batch_size", "max_epochs", "base_filters")
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise StepError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("num_workers", "min_epochs", "patience", "steps_per_epoch"):
+        if getattr(args, name) < 0:
+            raise StepError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.levels < (4 if args.deep_supervision else 2):
+        raise StepError(f"--levels must be >= 4 with deep supervision (two extra heads) and "
+                        f">= 2 without, got {args.levels}")
+    if args.learning_rate <= 0:
+        raise StepError(f"--learning-rate must be > 0, got {args.learning_rate}")
+    if args.checkpoint_minutes < 0:
+        raise StepError(f"--checkpoint-minutes must be >= 0, got {args.checkpoint_minutes}")
+    if args.batch_size < args.devices:
+        raise StepError(f"--batch-size {args.batch_size} is smaller than --devices "
+                        f"{args.devices}: every device needs at least one slice per step")
+    if args.min_epochs > args.max_epochs:
+        raise StepError(f"--min-epochs {args.min_epochs} exceeds --max-epochs "
+                        f"{args.max_epochs}")
+
+
+# ------------------------------------------------------------------------ preflight
+
+@dataclass
+class Plan:
+    """Everything decided before training: checked inputs, model config, resume source."""
+    args: argparse.Namespace
+    kind: str
+    meta: dict[str, Any]
+    train_names: list[str]
+    val_names: list[str]
+    model_config: Any
+    resume_uri: str | None = None
+    resume_state: dict[str, Any] | None = field(default=None, repr=False)
+
+
+def model_config_for(args: argparse.Namespace, meta: dict[str, Any]):
+    from steps.model import ModelConfig
+
+    config = ModelConfig(in_channels=len(meta["channels"]), out_channels=len(meta["labels"]),
+                         base_filters=args.base_filters, levels=args.levels, norm=args.norm,
+                         deep_supervision=args.deep_supervision)
+    multiple = config.size_multiple()
+    if any(int(s) % multiple for s in meta["patch_size"]):
+        raise StepError(f"patch_size {meta['patch_size']} of the dataset is not a multiple of "
+                        f"{multiple} (2**(--levels - 1) with --levels {args.levels})")
+    return config
+
+
+def _resume_source(args: argparse.Namespace):
+    """(uri, checkpoint) to start from: own latest (resume auto), else --resume-from."""
+    from steps.checkpoints import CheckpointStore
+
+    if args.checkpoint_uri and args.resume == "auto":
+        state = CheckpointStore(args.checkpoint_uri).load_latest()
+        if state is not None:
+            return args.checkpoint_uri, state
+    if args.resume_from:
+        state = CheckpointStore(args.resume_from).load_latest()
+        if state is None:
+            raise StepError(f"--resume-from {args.resume_from}: no checkpoint found there")
+        return args.resume_from, state
+    return None, None
+
+
+def check_compatible(state: dict[str, Any], config, uri: str) -> None:
+    saved = state.get("model_config")
+    if saved != config.to_dict():
+        diff = sorted(k for k in config.to_dict() if (saved or {}).get(k) != config.to_dict()[k])
+        key = diff[0] if diff else "model_config"
+        raise StepError(f"checkpoint at {uri} is incompatible: it was trained with {key}="
+                        f"{(saved or {}).get(key)!r}, this run has {key}="
+                        f"{config.to_dict().get(key)!r}")
+
+
+def preflight(args: argparse.Namespace) -> Plan:
+    """Every check that can fail on bad input, before any device or process is started."""
+    check_args(args)
+    kind = devices.resolve_kind(args.device, args.hpu_mode)
+    if kind != "cpu" and devices.available_count(kind) < args.devices:
+        raise StepError(f"--devices {args.devices}: only {devices.available_count(kind)} "
+                        f"{kind} device(s) present")
+    devices.autocast_dtype(kind, args.precision)
+    if args.optimizer == "fusedadamw" and kind != "hpu":
+        raise StepError(f"--optimizer fusedadamw needs --device hpu (Habana FusedAdamW), "
+                        f"this run is on {kind}")
+    rank, world, _ = dist_env()
+    meta = read_metadata(args.dataset, check_hashes=rank == 0 and
+                         os.environ.get(_CHECKED_ENV) != "1")
+    train_names, val_names = fold_names(meta, args.fold)
+    if not train_names or not val_names:
+        raise StepError(f"--fold {args.fold} has no training or no validation cases")
+    model_dir = Path(args.model)
+    if model_dir.exists() and (not model_dir.is_dir() or any(model_dir.iterdir())):
+        raise StepError(f"--model {model_dir} must be an empty or absent directory")
+    config = model_config_for(args, meta)
+    uri, state = _resume_source(args)
+    if state is not None:
+        check_compatible(state, config, uri)
+    return Plan(args, kind, meta, train_names, val_names, config, uri, state)
+
+
+# ----------------------------------------------------------------------- DDP launch
+
+def dist_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torch.distributed.run's environment."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+            int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def relaunch(argv: Sequence[str], nproc: int, kind: str) -> int:
+    """Run this step again under torch.distributed.run with ``nproc`` processes."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", "-m", "steps.train", *argv]
+    env = dict(os.environ)
+    env[_CHECKED_ENV] = "1"
+    if kind == "cpu":
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return subprocess.call(cmd, env=env)
+
+
+# --------------------------------------------------------------------------- RNG state
+
+def rng_state(info: devices.DeviceInfo) -> dict[str, Any]:
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
+             "python_version": random.getstate()[0], "python_gauss": random.getstate()[2],
+             "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    if info.kind == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any], info: devices.DeviceInfo) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if info.kind == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------- validation
+
+def _pad_to_multiple(x: torch.Tensor, multiple: int, fill: torch.Tensor) -> torch.Tensor:
+    """Pad (N, C, H, W) at the bottom/right to multiples of ``multiple`` with ``fill`` (C,)."""
+    h, w = x.shape[-2:]
+    ph, pw = -h % multiple, -w % multiple
+    if not ph and not pw:
+        return x
+    out = fill.view(1, -1, 1, 1).expand(x.shape[0], -1, h + ph, w + pw).clone()
+    out[..., :h, :w] = x
+    return out
+
+
+@torch.no_grad()
+def predict_volume(forward, image: np.ndarray, info: devices.DeviceInfo, batch: int,
+                   multiple: int) -> torch.Tensor:
+    """2D inference over every slice: image (C, D, H, W) → argmax labels (D, H, W) on CPU."""
+    channels, depth, height, width = image.shape
+    fill = torch.from_numpy(np.asarray(image[:, 0:1], dtype=np.float32)
+                            .reshape(channels, -1).min(axis=1))
+    preds = []
+    for start in range(0, depth, batch):
+        x = torch.from_numpy(np.ascontiguousarray(
+            np.asarray(image[:, start:start + batch], dtype=np.float32).transpose(1, 0, 2, 3)))
+        x = devices.to_device(_pad_to_multiple(x, multiple, fill), info)
+        with info.autocast():
+            logits = forward(x)
+        preds.append(logits[..., :height, :width].argmax(dim=1).to("cpu", torch.uint8))
+        devices.mark_step(info)
+    return torch.cat(preds)
+
+
+def evaluate(forward, cases, info, batch: int, multiple: int, n_classes: int,
+             rank: int, world: int) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+    """Mean per-class Dice over the validation volumes (shared out over ranks).
+
+    Returns (n_classes - 1,) float64 Dice and, on rank 0, a few overlay samples.
+    """
+    import torch.distributed as dist
+    from steps.losses import dice_per_class
+
+    totals = torch.zeros(n_classes, dtype=torch.float64)  # per-class sums, then count
+    samples = []
+    for index in range(rank, len(cases), world):
+        case = cases[index]
+        pred = predict_volume(forward, case.image, info, batch, multiple)
+        truth = torch.from_numpy(np.array(case.label))
+        totals[:-1] += dice_per_class(pred, truth, n_classes)
+        totals[-1] += 1
+        if rank == 0 and len(samples) < N_OVERLAYS:
+            z = int(truth.reshape(truth.shape[0], -1).gt(0).sum(1).argmax())
+            samples.append({"case": case.name, "slice": z,
+                            "image": np.asarray(case.image[0, z], dtype=np.float32),
+                            "truth": truth[z].numpy(), "prediction": pred[z].numpy()})
+    if world > 1:
+        reduced = totals.to(info.device if info.backend != "gloo" else "cpu")
+        dist.all_reduce(reduced)
+        totals = reduced.cpu()
+    return totals[:-1] / totals[-1].clamp(min=1), samples
+
+
+# ------------------------------------------------------------------------- training
+
+def lr_factor(step: int, total: int) -> float:
+    """Cosine decay from 1 to 0 over ``total`` steps."""
+    return 0.5 * (1.0 + math.cos(math.pi * min(step, total) / max(total, 1)))
+
+
+def train_step(forward, loss_fn, optimizer, scheduler, scaler, info: devices.DeviceInfo,
+               images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """One optimizer step on a device batch: images (N, C, H, W), labels (N, H, W)."""
+    optimizer.zero_grad(set_to_none=True)
+    with info.autocast():
+        logits = forward(images)
+    loss = loss_fn(logits.float(), labels)
+    scaler.scale(loss).backward()
+    devices.mark_step(info)
+    scaler.step(optimizer)
+    scaler.update()
+    devices.mark_step(info)
+    scheduler.step()
+    return loss.detach()
+
+
+def cpu_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+
+
+@dataclass
+class Progress:
+    """Training position and history: what a checkpoint needs besides module states."""
+    epoch: int = 0                # completed epochs
+    step: int = 0                 # completed global steps
+    epoch_loss: float = 0.0       # loss sum over this epoch's completed steps
+    epoch_steps: int = 0
+    best_dice: float = -1.0
+    best_epoch: int = 0
+    stale_epochs: int = 0
+    history: list = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def model_payload(plan: Plan, state: dict[str, torch.Tensor],
+                  metrics: dict[str, Any]) -> dict[str, Any]:
+    """The ``best.pt`` / ``last.pt`` dict: plain types only."""
+    meta = plan.meta
+    return {"model_state": state, "model_config": plan.model_config.to_dict(),
+            "train_config": train_config(plan.args), "metrics": metrics,
+            "dataset_manifest_sha256": manifest_digest(plan.args.dataset),
+            "patch_size": [int(s) for s in meta["patch_size"]],
+            "channels": list(meta["channels"]), "labels": dict(meta["labels"]),
+            "format_version": MODEL_FORMAT_VERSION}
+
+
+def train_config(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k not in ("dataset", "model")}
+
+
+class Trainer:
+    """Holds the device, model, optimizer and checkpoint store of one process."""
+
+    def __init__(self, plan: Plan, rank: int, world: int, local_rank: int):
+        from steps.checkpoints import CheckpointStore
+        from steps.losses import DeepSupervisionLoss
+        from steps.model import build_model
+        from steps.sampler import SliceSampler
+
+        args = self.args = plan.args
+        self.plan, self.rank, self.world = plan, rank, world
+        self.info = devices.select_device(plan.kind, args.precision, args.hpu_mode, local_rank)
+        if world > 1:
+            devices.init_distributed(self.info)
+        if self.info.kind == "cpu":
+            torch.use_deterministic_algorithms(True)
+        elif self.info.kind == "cuda":
+            torch.backends.cudnn.benchmark = True
+        torch.manual_seed(args.seed)   # identical initial weights on every rank
+        self.n_classes = len(plan.meta["labels"])
+        self.multiple = plan.model_config.size_multiple()
+        train_cases = open_cases(args.dataset, plan.meta, plan.train_names)
+        self.val_cases = open_cases(args.dataset, plan.meta, plan.val_names)
+        self.local_batch = args.batch_size // world
+        self.sampler = SliceSampler(train_cases, tuple(plan.meta["patch_size"]),
+                                    self.local_batch, args.seed)
+        self.steps_per_epoch = args.steps_per_epoch or max(
+            1, self.sampler.n_slices // (self.local_batch * world))
+        self.total_steps = self.steps_per_epoch * args.max_epochs
+
+        self.net = devices.prepare_model(build_model(plan.model_config), self.info)
+        module = devices.wrap_ddp(self.net, self.info) if world > 1 else self.net
+        self.train_forward = devices.compile_for_device(module, self.info)
+        self.eval_forward = devices.compile_for_device(self.net, self.info)
+        self.loss_fn = DeepSupervisionLoss()
+        self.optimizer = devices.make_optimizer(args.optimizer, self.net.parameters(),
+                                                args.learning_rate, args.weight_decay,
+                                                self.info)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, self.total_steps))
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.info.needs_grad_scaler())
+        self.store = CheckpointStore(args.checkpoint_uri) if args.checkpoint_uri else None
+        self.progress = Progress()
+        self.best_state = None
+        if plan.resume_state is not None:
+            self._restore(plan.resume_state, plan.resume_uri)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def _checkpoint_state(self) -> dict[str, Any]:
+        best = self.progress.best_epoch
+        return {"model_config": self.plan.model_config.to_dict(),
+                "model_state": cpu_state(self.net),
+                "optimizer_state": self.optimizer.state_dict(),
+                "scheduler_state": self.scheduler.state_dict(),
+                "scaler_state": self.scaler.state_dict(),
+                "progress": self.progress.to_dict(), "rng": rng_state(self.info),
+                "best_file": _best_name(best) if best else None,
+                "train_config": train_config(self.args), "format_version": 1}
+
+    def save_checkpoint(self) -> None:
+        if self.store is not None and self.rank == 0:
+            self.store.save(self._checkpoint_state(), self.progress.step)
+
+    def _restore(self, state: dict[str, Any], uri: str) -> None:
+        from steps.checkpoints import CheckpointStore
+
+        self.net.load_state_dict(state["model_state"])
+        self.optimizer.load_state_dict(state["optimizer_state"])
+        self.scheduler.load_state_dict(state["scheduler_state"])
+        if state.get("scaler_state"):
+            self.scaler.load_state_dict(state["scaler_state"])
+        self.progress = Progress(**state["progress"])
+        set_rng_state(state["rng"], self.info)
+        if state.get("best_file"):
+            self.best_state = CheckpointStore(uri).load(state["best_file"])["model_state"]
+        if self.rank == 0:
+            print(f"resumed from {uri} at epoch {self.progress.epoch}, step "
+                  f"{self.progress.step}", file=sys.stderr)
+
+    # -- loop -----------------------------------------------------------------------------
+    def _loader(self, first_step: int, n_steps: int):
+        from steps.sampler import StepDataset
+
+        dataset = StepDataset(self.sampler, first_step, n_steps, self.rank)
+        return torch.utils.data.DataLoader(dataset, batch_size=None, shuffle=False,
+                                           num_workers=self.args.num_workers,
+                                           pin_memory=self.info.kind == "cuda")
+
+    def run_epoch(self) -> dict[str, Any]:
+        """Train to the end of the current epoch (from mid-epoch after a resume)."""
+        from tqdm import tqdm
+        from steps.sampler import augment, torch_seed
+
+        args, info, p = self.args, self.info, self.progress
+        done = p.step - p.epoch * self.steps_per_epoch
+        remaining = self.steps_per_epoch - done
+        bar = tqdm(total=self.steps_per_epoch, initial=done, file=sys.stderr,
+                   desc=f"epoch {p.epoch + 1}/{args.max_epochs}", unit="step",
+                   disable=self.rank != 0, dynamic_ncols=True, mininterval=1.0)
+        start = last_ckpt = time.monotonic()
+        images_done = 0
+        loss_sum = torch.zeros((), device=info.device)
+        for images, labels in self._loader(p.step, remaining):
+            seed = torch_seed(args.seed, p.step, self.rank)
+            images, labels = augment(devices.to_device(images, info),
+                                     labels.to(info.device), seed,
+                                     devices.device_generator(info, seed))
+            loss = train_step(self.train_forward, self.loss_fn, self.optimizer, self.scheduler,
+                              self.scaler, info, images, labels)
+            loss_sum += loss
+            p.step += 1
+            p.epoch_steps += 1
+            images_done += self.local_batch * self.world
+            bar.update(1)
+            bar.set_postfix_str(f"{images_done / (time.monotonic() - start):.1f} img/s", refresh=False)
+            if args.checkpoint_minutes and p.step < (p.epoch + 1) * self.steps_per_epoch and \
+                    time.monotonic() - last_ckpt >= 60 * args.checkpoint_minutes:
+                p.epoch_loss += float(loss_sum)
+                loss_sum.zero_()
+                self.save_checkpoint()
+                last_ckpt = time.monotonic()
+        devices.synchronize(info)
+        seconds = time.monotonic() - start
+        bar.close()
+        p.epoch_loss += float(loss_sum)
+        if self.world > 1:
+            import torch.distributed as dist
+            total = torch.tensor([p.epoch_loss], dtype=torch.float64,
+                                 device=info.device if info.backend != "gloo" else "cpu")
+            dist.all_reduce(total)
+            p.epoch_loss = float(total) / self.world
+        return {"loss": p.epoch_loss / max(p.epoch_steps, 1),
+                "img_per_s": images_done / max(seconds, 1e-9), "seconds": seconds}
+
+    def validate(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        self.net.eval()
+        dice, samples = evaluate(self.eval_forward, self.val_cases, self.info,
+                                 self.args.val_batch_size, self.multiple, self.n_classes,
+                                 self.rank, self.world)
+        self.net.train()
+        classes = [str(c) for c in range(1, self.n_classes)]
+        return ({"dice": {c: float(d) for c, d in zip(classes, dice)},
+                 "mean_dice": float(dice.mean())}, samples)
+
+    def fit(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Epochs until max_epochs or early stopping; returns (last record, overlay samples)."""
+        args, p = self.args, self.progress
+        samples: list[dict[str, Any]] = []
+        validated = False
+        self.net.train()
+        while p.epoch < args.max_epochs and not self._should_stop():
+            train = self.run_epoch()
+            scores, samples = self.validate()
+            validated = True
+            p.epoch += 1
+            record = {"epoch": p.epoch, "step": p.step, **train, **scores,
+                      "lr": self.optimizer.param_groups[0]["lr"], "device": self.info.kind,
+                      "precision": self.info.precision, "world_size": self.world,
+                      "batch_size": self.local_batch * self.world}
+            p.history.append(record)
+            self._update_best(record)
+            p.epoch_loss, p.epoch_steps = 0.0, 0
+            self.save_checkpoint()
+            if self.rank == 0:
+                print(f"epoch {p.epoch}: loss {record['loss']:.4f} mean Dice "
+                      f"{record['mean_dice']:.4f} {record['img_per_s']:.1f} img/s",
+                      file=sys.stderr)
+        if not validated:   # resumed after the last epoch: validate once for the overlays
+            _, samples = self.validate()
+        return samples
+
+    def _update_best(self, record: dict[str, Any]) -> None:
+        p = self.progress
+        if record["mean_dice"] > p.best_dice:
+            p.best_dice, p.best_epoch, p.stale_epochs = record["mean_dice"], p.epoch, 0
+            self.best_state = cpu_state(self.net)
+            if self.store is not None and self.rank == 0:
+                from steps.checkpoints import serialize
+                self.store.write_bytes(_best_name(p.epoch), serialize(
+                    {"model_state": self.best_state, "epoch": p.epoch}))
+        else:
+            p.stale_epochs += 1
+
+    def _should_stop(self) -> bool:
+        p, args = self.progress, self.args
+        return (args.patience > 0 and p.epoch >= args.min_epochs
+                and p.stale_epochs >= args.patience)
+
+
+def _best_name(epoch: int) -> str:
+    from steps.checkpoints import best_name
+    return best_name(epoch)
+
+
+def write_model(plan: Plan, trainer: Trainer, samples: list[dict[str, Any]]) -> None:
+    """Publish the ``model`` artifact (rank 0)."""
+    from steps.report import write_report
+
+    p = trainer.progress
+    history = p.history
+    best = next(r for r in history if r["epoch"] == p.best_epoch)
+    last = history[-1]
+    labels = {k: v for k, v in plan.meta["labels"].items() if k != "0"}
+    metrics = {"epochs": history, "best_epoch": p.best_epoch, "best_mean_dice": p.best_dice,
+               "best_dice": best["dice"], "device": trainer.info.kind,
+               "precision": trainer.info.precision, "world_size": trainer.world,
+               "steps_per_epoch": trainer.steps_per_epoch, "fold": plan.args.fold}
+    with publish(plan.args.model, "model", STEP, train_config(plan.args)) as out:
+        torch.save(model_payload(plan, trainer.best_state, {**metrics, "epoch": best}),
+                   out / "best.pt")
+        torch.save(model_payload(plan, cpu_state(trainer.net), {**metrics, "epoch": last}),
+                   out / "last.pt")
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+        write_report(out, metrics, labels, samples)
+        argo = out / "argo-outputs"
+        argo.mkdir()
+        (argo / "mean_dice").write_text(f"{p.best_dice:.4f}\n")
+        (argo / "best_epoch").write_text(f"{p.best_epoch}\n")
+        (argo / "img_per_s").write_text(f"{last['img_per_s']:.1f}\n")
+
+
+def train(plan: Plan) -> int:
+    rank, world, local_rank = dist_env()
+    trainer = Trainer(plan, rank, world, local_rank)
+    try:
+        samples = trainer.fit()
+        if rank == 0:
+            write_model(plan, trainer, samples)
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    rank, world, _ = dist_env()
+    if world > 1 and args.devices != world:
+        raise StepError(f"--devices {args.devices} does not match WORLD_SIZE {world} of "
+                        "torch.distributed.run")
+    plan = preflight(args)
+    if args.devices > 1 and world == 1:
+        plan.resume_state = None   # the workers load it themselves
+        return relaunch(argv, args.devices, plan.kind)
+    return train(plan)
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))

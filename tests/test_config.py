@@ -1,0 +1,102 @@
+"""The config model: profiles, overrides, and one-line errors that name the key."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from workflows.config import DEFAULT_CONFIG, ConfigError, load_config
+
+REPO = Path(__file__).resolve().parent.parent
+PROFILES = ("fp32_8hpu_training", "bf16_8hpu_training", "cuda_1gpu", "cpu_quick", "local")
+
+
+def test_base_config_lists_stages_and_profiles():
+    cfg = load_config()
+    assert cfg.pipeline.stages == ["download", "preprocess", "train", "convert"]
+    assert set(PROFILES) <= set(cfg.profiles)
+    assert cfg.profile == ""
+
+
+def test_fp32_8hpu_training_is_the_old_pipelines_profile():
+    t = load_config(profile="fp32_8hpu_training").train
+    assert (t.devices, t.batch_size, t.val_batch_size, t.optimizer, t.learning_rate) == \
+        (8, 64, 64, "fusedadamw", 1e-4)
+    assert (t.norm, t.deep_supervision, t.min_epochs, t.max_epochs, t.seed, t.num_workers,
+            t.precision) == ("instance", True, 1, 2, 1, 8, "fp32")
+
+
+@pytest.mark.parametrize("name,accelerator", [("bf16_8hpu_training", "gaudi"),
+                                              ("cuda_1gpu", "cuda"), ("cpu_quick", "cpu")])
+def test_profiles_switch_accelerator(name, accelerator):
+    cfg = load_config(profile=name)
+    assert cfg.resources.train.accelerator == accelerator
+    assert cfg.profile == name
+
+
+def test_local_profile_is_small_and_synthetic():
+    cfg = load_config(local=True)
+    assert cfg.profile == cfg.local_profile == "local"
+    assert cfg.download.source.startswith("synthetic://")
+    assert cfg.resources.train.accelerator == "cpu"
+    assert cfg.train.base_filters <= 16 and cfg.train.max_epochs <= 3
+
+
+def test_overrides_dotted_and_bare_keys():
+    cfg = load_config(overrides=["train.max_epochs=7", "learning_rate=1e-4",
+                                 "deep_supervision=false", "images.cpu.tag=9.9"])
+    assert cfg.train.max_epochs == 7
+    assert cfg.train.learning_rate == pytest.approx(1e-4)
+    assert cfg.train.deep_supervision is False
+    assert cfg.images.cpu.tag == "9.9"
+
+
+def test_profile_then_override_order():
+    cfg = load_config(profile="cuda_1gpu", overrides=["train.devices=2"])
+    assert cfg.train.devices == 2 and cfg.resources.train.accelerator == "cuda"
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("train.bogus=1", "train.bogus: unknown key"),
+    ("nonsense=1", "'nonsense': unknown key"),
+    ("train.optimizer=adam", "train.optimizer"),
+    ("train.max_epochs=-1", "train.max_epochs"),
+    ("train.fold=7", "train.fold"),
+    ("train.batch_size=0", "train.batch_size"),
+    ("preprocess.image_dtype=int8", "preprocess.image_dtype"),
+    ("download.md5=xyz", "download.md5"),
+    ("train.min_epochs=500", "train.min_epochs"),
+    ("novalue", "expected key=value"),
+])
+def test_bad_values_are_one_line_naming_the_key(override, needle):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[override])
+    message = str(info.value)
+    assert needle in message
+    assert "\n" not in message
+
+
+def test_unknown_profile_lists_known_ones():
+    with pytest.raises(ConfigError, match="profile 'nope': unknown.*cpu_quick"):
+        load_config(profile="nope")
+
+
+def test_bad_profile_in_file_is_named(tmp_path):
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    raw["profiles"]["broken"] = {"train": {"fold": 9}}
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"profiles\.broken: train\.fold"):
+        load_config(path)
+
+
+def test_cli_reports_bad_config_in_one_line_without_traceback():
+    proc = subprocess.run([sys.executable, "workflows/unet.py", "render", "-p", "train.fold=7"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "train.fold" in lines[0] and "Traceback" not in proc.stderr

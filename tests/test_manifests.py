@@ -1,0 +1,338 @@
+"""The kustomize tree under manifests/: every overlay builds offline and every built resource
+validates (core kinds against Kubernetes' schemas with ``kubernetes-validate``, Argo kinds
+with ``../shared/tools/validate_argo.py``), and the pieces agree with config/pipeline.yaml.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+MANIFESTS = REPO / "manifests"
+OVERLAYS = sorted(p.parent.name for p in (MANIFESTS / "overlays").glob("*/kustomization.yaml"))
+SHARED_TOOLS = REPO.parent / "shared" / "tools"
+NAMESPACE = "unet"
+K8S_VERSION = "1.32.0"     # the newest Kubernetes release that Gaudi software 1.21-1.23 lists
+KUBECTL = shutil.which("kubectl")
+
+kubernetes_validate = pytest.importorskip(
+    "kubernetes_validate", reason="kubernetes-validate is not installed (pip install -e '.[dev]')")
+needs_kubectl = pytest.mark.skipif(
+    KUBECTL is None, reason="kubectl not found; manifests/install-kubectl.sh installs it")
+
+
+def config() -> dict:
+    return yaml.safe_load((REPO / "config" / "pipeline.yaml").read_text())
+
+
+def kustomize(path: Path) -> list[dict]:
+    run = subprocess.run([KUBECTL, "kustomize", str(path)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, f"kubectl kustomize {path} failed:\n{run.stderr}"
+    return [d for d in yaml.safe_load_all(run.stdout) if d]
+
+
+_BUILT: dict[str, list[dict]] = {}
+
+
+def built(overlay: str) -> list[dict]:
+    if overlay not in _BUILT:
+        _BUILT[overlay] = kustomize(MANIFESTS / "overlays" / overlay)
+    return copy.deepcopy(_BUILT[overlay])
+
+
+def find(docs: list[dict], kind: str, name: str) -> dict:
+    hits = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(hits) == 1, f"expected one {kind}/{name}, found {len(hits)}"
+    return hits[0]
+
+
+def artifact_repository(docs: list[dict]) -> dict:
+    cm = find(docs, "ConfigMap", config()["storage"]["artifact_repository_configmap"])
+    key = cm["metadata"]["annotations"]["workflows.argoproj.io/default-artifact-repository"]
+    return yaml.safe_load(cm["data"][key])
+
+
+def validate_argo_module():
+    script = SHARED_TOOLS / "validate_argo.py"
+    if not script.exists():
+        pytest.skip("../shared/tools/validate_argo.py is absent")
+    spec = importlib.util.spec_from_file_location("validate_argo", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def validate_core(doc: dict) -> None:
+    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def validate_argo_kind(doc: dict) -> None:
+    module = validate_argo_module()
+    validator = module.validators(module.load_schema())[doc["kind"]]
+    errors = sorted(validator.iter_errors(doc), key=str)
+    assert not errors, f"{doc['kind']}/{doc['metadata'].get('name')}: {errors[0].message}"
+
+
+def validate(doc: dict) -> None:
+    group = doc["apiVersion"].rpartition("/")[0]
+    if group == "argoproj.io":
+        validate_argo_kind(doc)
+    elif group in ("", "apps", "batch", "rbac.authorization.k8s.io", "policy",
+                   "networking.k8s.io", "scheduling.k8s.io", "storage.k8s.io"):
+        validate_core(doc)
+    else:
+        pytest.fail(f"{doc['kind']} ({doc['apiVersion']}): no schema to validate it against")
+
+
+# ---- building and validating -------------------------------------------------------------
+
+def test_overlays_present():
+    assert {"local-minio", "aws-s3", "gaudi"} <= set(OVERLAYS)
+
+
+def test_kustomizations_are_local_only():
+    """`kubectl kustomize` must build offline: no remote bases, resources or components
+    (manifests/addons/ is the one place that applies a vendor's published URL)."""
+    for path in [*(MANIFESTS / "base").rglob("kustomization.yaml"),
+                 *(MANIFESTS / "overlays").rglob("kustomization.yaml")]:
+        body = yaml.safe_load(path.read_text())
+        for field in ("resources", "components", "bases"):
+            for entry in body.get(field) or []:
+                assert "://" not in entry and not entry.startswith("github.com"), (path, entry)
+                assert (path.parent / entry).exists(), f"{path}: {entry} does not exist"
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_builds_and_validates(overlay):
+    docs = built(overlay)
+    assert docs, f"{overlay} built nothing"
+    for doc in docs:
+        validate(doc)
+
+
+@needs_kubectl
+def test_validator_rejects_a_misspelt_field():
+    """The strict schema check is live: a typo in a built Deployment is caught."""
+    deployment = find(built("local-minio"), "Deployment", "minio")
+    deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolcy"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate_core(deployment)
+
+
+@needs_kubectl
+def test_gaudi_on_aws_s3_builds(tmp_path):
+    """The README's recipe for AWS dl1 (first-gen Gaudi): aws-s3 plus the habana-system namespace."""
+    tree = tmp_path / "manifests"
+    shutil.copytree(MANIFESTS, tree)
+    overlay = tree / "overlays" / "dl1"
+    overlay.mkdir()
+    shutil.copy(tree / "overlays" / "gaudi" / "habana-system.yaml", overlay)
+    (overlay / "kustomization.yaml").write_text(
+        "resources: [../aws-s3, habana-system.yaml]\n")
+    docs = kustomize(overlay)
+    for doc in docs:
+        validate(doc)
+    assert find(docs, "Namespace", "habana-system")
+    assert artifact_repository(docs)["s3"]["useSDKCreds"] is True
+
+
+HABANA_PLUGIN_URL = ("https://vault.habana.ai/artifactory/docker-k8s-device-plugin/"
+                     "habana-k8s-device-plugin.yaml")
+
+
+@needs_kubectl
+def test_gaudi_device_plugin_addon_targets_the_training_nodes(tmp_path):
+    """The add-on applies Habana's published manifest (by URL, not a copy) plus our node
+    selector and toleration. Offline, a minimal stand-in DaemonSet takes the URL's place to
+    check that the patch applies and matches config/pipeline.yaml."""
+    addon = MANIFESTS / "addons" / "gaudi-device-plugin"
+    body = yaml.safe_load((addon / "kustomization.yaml").read_text())
+    assert body["resources"] == [HABANA_PLUGIN_URL]
+    work = tmp_path / "addon"
+    shutil.copytree(addon, work)
+    stand_in = {
+        "apiVersion": "apps/v1", "kind": "DaemonSet",
+        "metadata": {"name": "habanalabs-device-plugin-daemonset", "namespace": "habana-system"},
+        "spec": {"selector": {"matchLabels": {"name": "plugin"}},
+                 "template": {"metadata": {"labels": {"name": "plugin"}},
+                              "spec": {"containers": [{"name": "plugin", "image": "stand-in:1"}]}}},
+    }
+    (work / "stand-in.yaml").write_text(yaml.safe_dump(stand_in))
+    body["resources"] = ["stand-in.yaml"]
+    (work / "kustomization.yaml").write_text(yaml.safe_dump(body))
+    (daemonset,) = kustomize(work)
+    validate_core(daemonset)
+    assert daemonset["metadata"]["name"] == "habanalabs-device-plugin-daemonset"
+    pod = daemonset["spec"]["template"]["spec"]
+    train = config()["resources"]["train"]
+    assert pod["nodeSelector"] == train["node_selector"]
+    assert pod["tolerations"] == train["tolerations"]
+
+
+def test_secret_template_validates_and_holds_no_value():
+    docs = list(yaml.safe_load_all((MANIFESTS / "base" / "s3-credentials.template.yaml").read_text()))
+    assert len(docs) == 1
+    secret = docs[0]
+    validate_core(secret)
+    storage = config()["storage"]
+    assert secret["metadata"]["name"] == storage["credentials_secret"]
+    assert set(secret["stringData"]) == {storage["access_key_key"], storage["secret_key_key"]}
+    assert set(secret["stringData"].values()) == {"REPLACE_ME"}
+
+
+# ---- what the resources say --------------------------------------------------------------
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_namespaced_rbac_only(overlay):
+    docs = built(overlay)
+    kinds = {d["kind"] for d in docs}
+    assert not kinds & {"ClusterRole", "ClusterRoleBinding"}
+    for doc in docs:
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"].get("namespace") == NAMESPACE, doc["metadata"]["name"]
+    accounts = {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"}
+    roles = {d["metadata"]["name"] for d in docs if d["kind"] == "Role"}
+    for binding in (d for d in docs if d["kind"] == "RoleBinding"):
+        assert binding["roleRef"]["kind"] == "Role" and binding["roleRef"]["name"] in roles
+        for subject in binding["subjects"]:
+            if subject["kind"] == "ServiceAccount" and subject["name"] in accounts:
+                assert subject["namespace"] == NAMESPACE, binding["metadata"]["name"]
+
+
+def allowed(role: dict, group: str, resource: str, verb: str, name: str | None = None) -> bool:
+    for rule in role["rules"]:
+        if (group in rule.get("apiGroups", []) and resource in rule.get("resources", [])
+                and verb in rule.get("verbs", [])
+                and (not rule.get("resourceNames") or name in rule["resourceNames"])):
+            return True
+    return False
+
+
+@needs_kubectl
+def test_workflow_role_covers_executor_and_training_operator():
+    docs = built("local-minio")
+    account = config()["pipeline"]["service_account"]
+    find(docs, "ServiceAccount", account)
+    binding = next(d for d in docs if d["kind"] == "RoleBinding"
+                   and {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}
+                   in d["subjects"])
+    role = find(docs, "Role", binding["roleRef"]["name"])
+    for verb in ("create", "patch"):
+        assert allowed(role, "argoproj.io", "workflowtaskresults", verb)
+    for verb in ("create", "get", "watch"):
+        assert allowed(role, "kubeflow.org", "pytorchjobs", verb), verb
+    assert allowed(role, "", "pods/log", "get")
+    assert not allowed(role, "", "secrets", "get"), "workflow pods must not read Secrets"
+
+
+@needs_kubectl
+def test_memoize_cache_is_labelled_and_writable_by_the_controller():
+    docs = built("local-minio")
+    name = config()["memoize"]["config_map"]
+    cache = find(docs, "ConfigMap", name)
+    assert cache["metadata"]["labels"]["workflows.argoproj.io/configmap-type"] == "Cache"
+    writers = [d for d in docs if d["kind"] == "Role"
+               and allowed(d, "", "configmaps", "update", name)]
+    assert writers, "nobody may update the memoize cache"
+    bound = [b for b in docs if b["kind"] == "RoleBinding"
+             and b["roleRef"]["name"] in {w["metadata"]["name"] for w in writers}]
+    assert any(s["namespace"] == "argo" for b in bound for s in b["subjects"])
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_artifact_repository(overlay):
+    docs = built(overlay)
+    storage = config()["storage"]
+    cm = find(docs, "ConfigMap", storage["artifact_repository_configmap"])
+    key = cm["metadata"]["annotations"]["workflows.argoproj.io/default-artifact-repository"]
+    assert key == storage["artifact_repository_key"]
+    repo = yaml.safe_load(cm["data"][key])
+    module = validate_argo_module()
+    schema = module.load_schema()
+    from jsonschema import Draft202012Validator
+    validator = Draft202012Validator(
+        {"$ref": "#/definitions/io.argoproj.workflow.v1alpha1.ArtifactRepository",
+         "definitions": schema["definitions"]})
+    errors = list(validator.iter_errors(repo))
+    assert not errors, errors[0].message
+    s3 = repo["s3"]
+    assert s3["bucket"] == storage["bucket"]
+    assert "REPLACE_ME" not in s3["endpoint"]
+    if s3.get("useSDKCreds"):
+        assert "accessKeySecret" not in s3
+    else:
+        assert s3["accessKeySecret"] == {"name": storage["credentials_secret"],
+                                         "key": storage["access_key_key"]}
+        assert s3["secretKeySecret"] == {"name": storage["credentials_secret"],
+                                         "key": storage["secret_key_key"]}
+    assert not [d for d in docs if d["kind"] == "Secret"], "no Secret is ever applied"
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_images_pinned(overlay):
+    for doc in built(overlay):
+        spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+        for container in spec.get("containers", []) + spec.get("initContainers", []):
+            image = container["image"]
+            name, _, tag = image.rpartition(":")
+            assert name and "/" not in tag and tag not in ("", "latest"), image
+
+
+@needs_kubectl
+def test_local_minio_serves_the_repository_endpoint():
+    docs = built("local-minio")
+    s3 = artifact_repository(docs)["s3"]
+    host, _, port = s3["endpoint"].partition(":")
+    service_name, service_ns = host.split(".")[:2]
+    assert service_ns == NAMESPACE
+    service = find(docs, "Service", service_name)
+    assert int(port) in [p["port"] for p in service["spec"]["ports"]]
+    assert s3["insecure"] is True and "createBucketIfNotPresent" in s3
+    deployment = find(docs, "Deployment", service_name)
+    pod = deployment["spec"]["template"]["spec"]
+    assert service["spec"]["selector"].items() <= \
+        deployment["spec"]["template"]["metadata"]["labels"].items()
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in pod["containers"][0]["env"]}
+    storage = config()["storage"]
+    assert env["MINIO_ROOT_USER"] == {"name": storage["credentials_secret"],
+                                      "key": storage["access_key_key"]}
+    assert env["MINIO_ROOT_PASSWORD"] == {"name": storage["credentials_secret"],
+                                          "key": storage["secret_key_key"]}
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
+              if "persistentVolumeClaim" in v]
+    for claim in claims:
+        find(docs, "PersistentVolumeClaim", claim)
+    assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+@needs_kubectl
+def test_aws_s3_uses_irsa():
+    docs = built("aws-s3")
+    account = find(docs, "ServiceAccount", config()["pipeline"]["service_account"])
+    assert account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"].startswith(
+        "arn:aws:iam::")
+    s3 = artifact_repository(docs)["s3"]
+    assert s3["endpoint"] == "s3.amazonaws.com" and s3["insecure"] is False
+    assert s3["useSDKCreds"] is True
+    assert not [d for d in docs if d["kind"] in ("Deployment", "PersistentVolumeClaim")]
+
+
+@needs_kubectl
+def test_only_the_device_plugin_namespace_is_privileged():
+    for overlay in OVERLAYS:
+        docs = built(overlay)
+        labels = find(docs, "Namespace", NAMESPACE)["metadata"]["labels"]
+        assert labels["pod-security.kubernetes.io/enforce"] == "baseline", overlay
+    habana = find(built("gaudi"), "Namespace", "habana-system")
+    assert habana["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"

@@ -1,0 +1,138 @@
+"""The synthetic BraTS-like generator: layout, determinism and anatomy."""
+from __future__ import annotations
+
+import json
+import tarfile
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from steps import synthetic
+
+SHAPE = (48, 48, 24)
+
+
+def _files(root):
+    return {p.relative_to(root).as_posix(): p.read_bytes()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_msd_layout_and_dataset_json(tmp_path):
+    task = synthetic.write_msd_task(tmp_path, cases=2, shape=SHAPE, seed=3, test_cases=1)
+    assert task == tmp_path / "Task01_BrainTumour"
+    meta = json.loads((task / "dataset.json").read_text())
+    assert meta["modality"] == {"0": "FLAIR", "1": "T1w", "2": "t1gd", "3": "T2w"}
+    assert meta["labels"] == {"0": "background", "1": "edema", "2": "non-enhancing tumor",
+                              "3": "enhancing tumour"}
+    assert (meta["numTraining"], meta["numTest"]) == (2, 1)
+    assert meta["training"][0] == {"image": "./imagesTr/BRATS_001.nii.gz",
+                                   "label": "./labelsTr/BRATS_001.nii.gz"}
+    assert meta["test"] == ["./imagesTs/BRATS_003.nii.gz"]
+    for entry in meta["training"]:
+        assert (task / entry["image"]).is_file() and (task / entry["label"]).is_file()
+    assert (task / meta["test"][0]).is_file()
+    assert not (task / "labelsTr" / "BRATS_003.nii.gz").exists()
+
+
+def test_nifti_headers_shapes_and_dtypes(tmp_path):
+    task = synthetic.write_msd_task(tmp_path, cases=1, shape=SHAPE, seed=0)
+    image = nib.load(task / "imagesTr" / "BRATS_001.nii.gz")
+    label = nib.load(task / "labelsTr" / "BRATS_001.nii.gz")
+    assert image.shape == SHAPE + (4,) and label.shape == SHAPE
+    assert image.get_data_dtype() == np.float32 and label.get_data_dtype() == np.uint8
+    assert image.header.get_zooms()[:3] == (1.0, 1.0, 1.0)
+    assert image.header.get_xyzt_units()[0] == "mm"
+    np.testing.assert_allclose(image.affine, label.affine)
+    np.testing.assert_allclose(np.abs(np.diag(image.affine)[:3]), 1.0)
+    assert int(image.header["sform_code"]) == 1 and int(image.header["qform_code"]) == 1
+
+
+def test_same_seed_same_bytes_other_seed_differs(tmp_path):
+    a = synthetic.write_msd_task(tmp_path / "a", cases=2, shape=SHAPE, seed=7)
+    b = synthetic.write_msd_task(tmp_path / "b", cases=2, shape=SHAPE, seed=7)
+    c = synthetic.write_msd_task(tmp_path / "c", cases=2, shape=SHAPE, seed=8)
+    assert _files(a) == _files(b)
+    # gzip headers carry mtime 0, so the bytes do not depend on when they were written.
+    header = (a / "imagesTr" / "BRATS_001.nii.gz").read_bytes()[:8]
+    assert header[:2] == b"\x1f\x8b" and header[4:8] == b"\x00\x00\x00\x00"
+    files_c = _files(c)
+    assert files_c["imagesTr/BRATS_001.nii.gz"] != _files(a)["imagesTr/BRATS_001.nii.gz"]
+    assert files_c["labelsTr/BRATS_002.nii.gz"] != _files(a)["labelsTr/BRATS_002.nii.gz"]
+
+
+def test_case_does_not_depend_on_case_count():
+    one = synthetic.generate_case(SHAPE, seed=5, index=2)
+    again = synthetic.generate_case(SHAPE, seed=5, index=2)
+    other = synthetic.generate_case(SHAPE, seed=5, index=3)
+    np.testing.assert_array_equal(one.image, again.image)
+    assert not np.array_equal(one.label, other.label)
+
+
+@pytest.mark.parametrize("shape,index", [(SHAPE, 1), (SHAPE, 2), ((64, 56, 32), 4),
+                                         ((40, 72, 30), 9)])
+def test_brain_and_nested_tumour_regions(shape, index):
+    case = synthetic.generate_case(shape, seed=11, index=index)
+    image, label = case.image, case.label
+    assert image.shape == shape + (4,) and image.dtype == np.float32
+    assert label.dtype == np.uint8 and set(np.unique(label)) == {0, 1, 2, 3}
+    brain = np.any(image != 0, axis=-1)
+    # Foreground: every channel positive inside, exactly zero outside, well inside the grid.
+    assert np.all(image[brain] > 0) and np.all(image[~brain] == 0)
+    for axis in range(3):
+        extent = np.flatnonzero(brain.any(axis=tuple(a for a in range(3) if a != axis)))
+        assert extent[0] > 0 and extent[-1] < shape[axis] - 1
+    # Nesting: enhancing ⊂ tumour core (2 ∪ 3) ⊂ whole tumour (1 ∪ 2 ∪ 3) ⊂ brain.
+    whole = label > 0
+    assert np.all(brain[whole])
+    enhancing = label == 3
+    core = (label == 2) | enhancing
+    assert np.all(core[enhancing]) and np.all(whole[core])
+    assert enhancing.sum() < core.sum() < whole.sum() < brain.sum()
+
+
+def test_modality_signatures_separate_the_classes():
+    """Edema bright on FLAIR, enhancing bright on t1gd, core dark on T1 (per-class means)."""
+    case = synthetic.generate_case((96, 96, 48), seed=2, index=1)
+    brain = np.any(case.image != 0, axis=-1)
+    means = {}
+    for name, mask in {"tissue": brain & (case.label == 0), "edema": case.label == 1,
+                       "core": case.label == 2, "enhancing": case.label == 3}.items():
+        means[name] = case.image[mask].mean(axis=0)  # (4,) FLAIR, T1w, t1gd, T2w
+    flair, t1, t1gd, t2 = range(4)
+    assert means["edema"][flair] > 1.2 * means["tissue"][flair]
+    assert means["edema"][t2] > 1.2 * means["tissue"][t2]
+    assert means["enhancing"][t1gd] > 1.3 * max(means[k][t1gd] for k in ("tissue", "edema",
+                                                                          "core"))
+    assert means["core"][t1] < 0.8 * min(means[k][t1] for k in ("tissue", "edema",
+                                                                "enhancing"))
+
+
+def test_texture_and_noise_vary_within_a_tissue():
+    case = synthetic.generate_case(SHAPE, seed=0, index=1)
+    edema = case.image[case.label == 1][:, 0]
+    assert edema.std() > 0.01 * edema.mean()
+    assert np.all(case.image == np.rint(case.image))
+
+
+def test_full_size_shape_is_supported():
+    case = synthetic.generate_case(synthetic.FULL_SHAPE, seed=0, index=1)
+    assert case.image.shape == (240, 240, 155, 4)
+    assert set(np.unique(case.label)) == {0, 1, 2, 3}
+
+
+def test_rejects_tiny_grid():
+    with pytest.raises(ValueError, match="shape"):
+        synthetic.generate_case((8, 8, 8))
+
+
+def test_tar_is_deterministic_and_carries_macos_junk(tmp_path):
+    a = synthetic.write_msd_tar(tmp_path / "a.tar", cases=2, shape=SHAPE, seed=1)
+    b = synthetic.write_msd_tar(tmp_path / "b.tar", cases=2, shape=SHAPE, seed=1)
+    assert a.read_bytes() == b.read_bytes()
+    with tarfile.open(a) as tar:
+        names = tar.getnames()
+    assert "Task01_BrainTumour/dataset.json" in names
+    assert "Task01_BrainTumour/imagesTr/BRATS_002.nii.gz" in names
+    assert "Task01_BrainTumour/imagesTr/._BRATS_002.nii.gz" in names
+    assert not list(tmp_path.glob(".synthetic-*"))

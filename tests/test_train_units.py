@@ -1,0 +1,307 @@
+"""Unit tests of the train step's parts: sampler, augmentation, loss and metric, checkpoints
+(local and the real S3 fixture), devices, and the Gaudi path through a labelled stand-in."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from steps.checkpoints import LATEST, CheckpointStore
+from steps.dataset import Case
+from steps.errors import StepError
+from steps.losses import DeepSupervisionLoss, dice_per_class
+from steps.sampler import SliceSampler, StepDataset, augment, pad_crop_2d, torch_seed
+
+REPO = Path(__file__).resolve().parents[1]
+STANDIN = Path(__file__).resolve().parent / "hpu_standin"
+
+
+def _cases(n: int = 3, shape=(4, 6, 20, 28)) -> list[Case]:
+    rng = np.random.default_rng(0)
+    cases = []
+    for i in range(n):
+        label = np.zeros(shape[1:], dtype=np.uint8)
+        label[2:4, 5:9, 10:14] = 1 + i % 3
+        image = rng.normal(size=shape).astype(np.float16)
+        cases.append(Case(f"c{i}", image, label, (1.0, 1.0, 1.0)))
+    return cases
+
+
+# ------------------------------------------------------------------------------ sampler
+
+def test_batches_depend_only_on_seed_step_and_rank():
+    sampler = SliceSampler(_cases(), (16, 32), batch=6, seed=5)
+    x1, y1 = sampler(11, rank=1)
+    x2, y2 = SliceSampler(_cases(), (16, 32), batch=6, seed=5)(11, rank=1)
+    assert x1.shape == (6, 4, 16, 32) and y1.shape == (6, 16, 32) and y1.dtype == torch.int64
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert not torch.equal(x1, sampler(11, rank=0)[0])
+    assert not torch.equal(x1, sampler(12, rank=1)[0])
+    # A DataLoader with workers yields exactly the sampler's batches.
+    loader = torch.utils.data.DataLoader(StepDataset(sampler, 10, 3, 1), batch_size=None,
+                                         num_workers=2)
+    for offset, (xb, yb) in enumerate(loader):
+        xs, ys = sampler(10 + offset, 1)
+        assert torch.equal(xb, xs) and torch.equal(yb, ys)
+
+
+def test_foreground_oversampling_centres_patches_on_tumour():
+    sampler = SliceSampler(_cases(), (8, 8), batch=400, seed=1, foreground_p=1.0)
+    _, labels = sampler(0)
+    assert bool((labels.flatten(1) > 0).any(1).all())
+    _, labels = SliceSampler(_cases(), (8, 8), batch=400, seed=1, foreground_p=0.0)(0)
+    share = float((labels.flatten(1) > 0).any(1).float().mean())
+    assert share < 0.3   # tumour occupies 2 of 6 slices and a small window
+
+
+def test_pad_crop_fills_outside_and_keeps_inside():
+    array = np.arange(12, dtype=np.float32).reshape(1, 3, 4)
+    out = pad_crop_2d(array, -1, 2, (5, 3), np.array([-9.0])[:, None, None])
+    assert out.shape == (1, 5, 3)
+    assert out[0, 0].tolist() == [-9, -9, -9]
+    assert out[0, 1].tolist() == [2, 3, -9]
+
+
+def test_augment_is_seeded_and_keeps_labels_valid():
+    x, y = SliceSampler(_cases(), (16, 32), batch=64, seed=2)(0)
+    a1, b1 = augment(x, y, seed=123)
+    a2, b2 = augment(x, y, seed=123)
+    assert torch.equal(a1, a2) and torch.equal(b1, b2)
+    assert a1.shape == x.shape and b1.shape == y.shape and b1.dtype == torch.int64
+    assert set(b1.unique().tolist()) <= {0, 1, 2, 3}
+    assert not torch.equal(a1, x)          # with 64 samples some augmentation fired
+    a3, _ = augment(x, y, seed=124)
+    assert not torch.equal(a1, a3)
+
+
+def test_torch_seed_is_a_pure_function_of_the_triple():
+    assert torch_seed(1, 2, 3) == torch_seed(1, 2, 3) != torch_seed(1, 2, 4)
+
+
+# ------------------------------------------------------------------------ loss and metric
+
+def test_dice_rules_for_absent_classes():
+    target = torch.zeros(2, 4, 4, dtype=torch.uint8)
+    target[0, :2, :2] = 1
+    pred = target.clone()
+    pred[1, 0, 0] = 3                       # class 3 absent from target, predicted: 0
+    scores = dice_per_class(pred, target, 4)
+    assert scores.tolist() == [1.0, 1.0, 0.0]   # class 2 absent from both: 1
+    half = target.clone()
+    half[0, :2, 1] = 0
+    assert dice_per_class(half, target, 4)[0] == pytest.approx(2 * 2 / (2 + 4))
+
+
+def test_deep_supervision_weights_are_normalised():
+    loss = DeepSupervisionLoss()
+    torch.manual_seed(0)
+    labels = torch.randint(0, 4, (2, 8, 8))
+    heads = torch.randn(2, 3, 4, 8, 8)
+    expected = sum(w * loss.head_loss(heads[:, i], labels)
+                   for i, w in enumerate([1, 0.5, 0.25])) / 1.75
+    assert float(loss(heads, labels)) == pytest.approx(float(expected), rel=1e-6)
+    perfect = torch.nn.functional.one_hot(labels, 4).permute(0, 3, 1, 2).float() * 50
+    assert float(loss(perfect, labels)) < 0.01
+
+
+# -------------------------------------------------------------------------- checkpoints
+
+def test_local_checkpoints_round_trip_and_prune(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ck"))
+    assert store.load_latest() is None
+    for step in (1, 2, 3):
+        store.save({"step": step, "w": torch.full((3,), float(step))}, step)
+    state = store.load_latest()
+    assert state["step"] == 3 and torch.equal(state["w"], torch.full((3,), 3.0))
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
+        "ckpt-0000000002.pt", "ckpt-0000000003.pt", LATEST]
+
+
+_FULL_DISK = textwrap.dedent("""
+    import resource, signal, sys, torch
+    from steps.checkpoints import CheckpointStore
+    store = CheckpointStore(sys.argv[1])
+    store.save({"step": 1, "w": torch.ones(10)}, 1)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)     # writes past the limit raise EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+    try:
+        store.save({"step": 2, "w": torch.zeros(4_000_000)}, 2)
+    except OSError as exc:
+        print("write failed:", exc.strerror)
+""")
+
+
+def test_a_failing_write_leaves_latest_on_the_previous_checkpoint(tmp_path):
+    """A writer that runs out of space (RLIMIT_FSIZE 1 MB) halfway through a 16 MB file."""
+    done = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "write failed" in done.stdout
+    store = CheckpointStore(str(tmp_path))
+    assert store.latest_name() == "ckpt-0000000001.pt"
+    assert store.load_latest()["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000000001.pt", LATEST]
+
+
+_WRITER = textwrap.dedent("""
+    import sys, torch
+    from steps.checkpoints import CheckpointStore
+    store = CheckpointStore(sys.argv[1])
+    big = torch.arange(4_000_000, dtype=torch.float32)
+    step = 0
+    while True:
+        step += 1
+        store.save({"step": step, "w": big + step}, step)
+        print(step, flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_sigkill_during_checkpoint_writes_never_breaks_latest(tmp_path):
+    """Kill a process that writes 16 MB checkpoints back to back at varied moments."""
+    uri = str(tmp_path / "ck")
+    for delay in (0.3, 0.45, 0.6):
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, uri], cwd=REPO,
+                                stdout=subprocess.PIPE, text=True)
+        proc.stdout.readline()              # at least one checkpoint is complete
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        state = CheckpointStore(uri).load_latest()
+        assert torch.equal(state["w"], torch.arange(4_000_000, dtype=torch.float32)
+                           + state["step"])
+
+
+@pytest.mark.s3
+def test_checkpoints_on_the_s3_fixture(s3, s3_env):
+    uri = f"s3://{s3.bucket}/train-tests/ck-{os.getpid()}"
+    store = CheckpointStore(uri)
+    assert store.load_latest() is None
+    for step in (4, 5, 6):
+        store.save({"step": step, "w": torch.ones(2) * step, "best_file": None}, step)
+    store.write_bytes("best-epoch0001.pt", b"old best")
+    store.save({"step": 7, "w": torch.ones(2) * 7, "best_file": None}, 7)
+    fresh = CheckpointStore(uri + "/")
+    assert fresh.latest_name() == "ckpt-0000000007.pt"
+    assert torch.equal(fresh.load_latest()["w"], torch.full((2,), 7.0))
+    assert fresh.names() == ["ckpt-0000000006.pt", "ckpt-0000000007.pt", LATEST]
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+def test_train_checkpoints_to_s3_and_resumes_from_there(s3, tmp_path):
+    from train_data import make_dataset, run_step, step_env
+    dataset = make_dataset(tmp_path, cases=5, shape="32x32x12", seed=1, patch="32x32")
+    uri = f"s3://{s3.bucket}/train-tests/run-{os.getpid()}"
+    common = ["--dataset", str(dataset), "--device", "cpu", "--base-filters", "4",
+              "--levels", "4", "--batch-size", "2", "--steps-per-epoch", "2",
+              "--num-workers", "0", "--checkpoint-uri", uri, "--patience", "0"]
+    env = step_env(**s3.env())
+    done = run_step("train", "--model", str(tmp_path / "m1"), "--max-epochs", "1", *common,
+                    env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    store = CheckpointStore(uri)
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in s3.env().items():
+            mp.setenv(key, value)
+        assert store.latest_name() == "ckpt-0000000002.pt"
+    done = run_step("train", "--model", str(tmp_path / "m2"), "--max-epochs", "2", *common,
+                    env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "resumed from" in done.stderr and "epoch 1, step 2" in done.stderr
+    epochs = json.loads((tmp_path / "m2" / "metrics.json").read_text())["epochs"]
+    assert [e["epoch"] for e in epochs] == [1, 2]
+
+
+# ------------------------------------------------------------------------------ devices
+
+def test_cpu_device_and_errors(monkeypatch):
+    from steps import devices
+    info = devices.select_device("cpu")
+    assert info.kind == "cpu" and info.backend == "gloo" and info.dtype is None
+    assert devices.select_device("auto").kind in ("cpu", "cuda")
+    with pytest.raises(StepError, match="fp16 is supported on cuda only"):
+        devices.select_device("cpu", precision="fp16")
+    with pytest.raises(StepError, match="fusedadamw needs --device hpu"):
+        devices.make_optimizer("fusedadamw", [torch.nn.Parameter(torch.ones(1))], 1e-3, 0,
+                               info)
+
+
+def test_jemalloc_env_prepends_the_library_when_installed():
+    from steps import devices
+    env = devices.jemalloc_env({"LD_PRELOAD": "/x.so"})
+    path = devices.jemalloc_path()
+    if path is None:
+        assert env == {"LD_PRELOAD": "/x.so"}
+    else:
+        assert env["LD_PRELOAD"] == f"{path}:/x.so"
+        assert devices.jemalloc_env(env)["LD_PRELOAD"] == env["LD_PRELOAD"]
+
+
+_STANDIN_SCRIPT = textwrap.dedent("""
+    import dataclasses, json, os, sys
+    import torch
+    from steps import devices
+    from steps.losses import DeepSupervisionLoss
+    from steps.model import ModelConfig, build_model
+    from steps.train import train_step
+
+    mode = sys.argv[1]
+    info = devices.select_device("auto", "auto", mode)
+    net = build_model(ModelConfig(base_filters=4, levels=4))
+    opt = devices.make_optimizer("fusedadamw", net.parameters(), 1e-3, 1e-4, info)
+    result = {"kind": info.kind, "backend": devices.load_backend(info),
+              "dtype": str(info.dtype), "lazy_env": os.environ["PT_HPU_LAZY_MODE"],
+              "optimizer": type(opt).__name__}
+    if mode == "lazy":
+        # The stand-in cannot hold tensors, so the loop runs on the CPU with HPU-mode hooks.
+        host = dataclasses.replace(info, device=torch.device("cpu"), dtype=None)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        scaler = torch.amp.GradScaler("cuda", enabled=False)
+        x, y = torch.randn(2, 4, 16, 16), torch.randint(0, 4, (2, 16, 16))
+        for _ in range(3):
+            train_step(net, DeepSupervisionLoss(), opt, sched, scaler, host, x, y)
+    else:
+        tiny = torch.nn.Linear(3, 2)
+        compiled = devices.compile_for_device(tiny, info)
+        result["compiled_ok"] = torch.allclose(compiled(torch.ones(1, 3)), tiny(torch.ones(1, 3)))
+    print(json.dumps(result))
+""")
+
+
+@pytest.mark.parametrize("mode", ["lazy", "compile"])
+def test_gaudi_path_with_the_labelled_standin(tmp_path, mode):
+    """STAND-IN test: a fake habana_frameworks (tests/hpu_standin) records what we call."""
+    log = tmp_path / "calls.jsonl"
+    env = dict(os.environ, PYTHONPATH=f"{STANDIN}{os.pathsep}{REPO}", HPU_STANDIN_LOG=str(log))
+    env.pop("PT_HPU_LAZY_MODE", None)
+    done = subprocess.run([sys.executable, "-c", _STANDIN_SCRIPT, mode], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    events = [c["event"] for c in calls]
+    assert result["kind"] == "hpu" and result["backend"] == "hccl"
+    assert result["dtype"] == "torch.bfloat16" and result["optimizer"] == "FusedAdamW"
+    assert "import_hccl" in events
+    fused = next(c for c in calls if c["event"] == "FusedAdamW")
+    assert fused["eps"] == 1e-8 and fused["weight_decay"] == 1e-4
+    imported = next(c for c in calls if c["event"] == "import")
+    if mode == "lazy":
+        assert imported["lazy_mode"] == "1"
+        # mark_step after backward and after optimizer.step, on each of 3 steps.
+        steps = [e for e in events if e in ("mark_step", "FusedAdamW.step")]
+        assert steps == ["mark_step", "FusedAdamW.step", "mark_step"] * 3
+    else:
+        assert imported["lazy_mode"] == "0"
+        assert result["compiled_ok"] and "hpu_backend_compile" in events
+        assert "mark_step" not in events

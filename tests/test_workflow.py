@@ -1,0 +1,234 @@
+"""The compiled workflow: golden files, Argo's schema, Hera round-trip and project rules."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from workflows.cli import GOLDEN_FILES
+from workflows.config import load_config
+from workflows.lint import VALIDATOR, lint, project_rules, round_trip, schema
+from workflows.unet import GOLDEN, build, render
+
+REPO = Path(__file__).resolve().parent.parent
+REGENERATE = "python workflows/unet.py render --golden"
+needs_shared = pytest.mark.skipif(not VALIDATOR.is_file(),
+                                  reason=f"{VALIDATOR} is absent (../shared not checked out)")
+
+
+def _doc(*overrides, kind="workflow", profile=None) -> dict:
+    return build(load_config(None, profile, list(overrides)), kind).to_dict()
+
+
+def _templates(doc) -> dict:
+    return {t["name"]: t for t in doc["spec"]["templates"]}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_FILES))
+def test_golden_file_matches_render(name):
+    kind, overrides = GOLDEN_FILES[name]
+    rendered = render(load_config(None, None, overrides), kind)
+    golden = (GOLDEN / name).read_text()
+    assert rendered == golden, (f"{name} differs from the compiled YAML; if the change is "
+                                f"intended, regenerate with: {REGENERATE}")
+
+
+@needs_shared
+@pytest.mark.parametrize("name", sorted(GOLDEN_FILES))
+def test_golden_files_pass_argo_schema(name):
+    doc = yaml.safe_load((GOLDEN / name).read_text())
+    assert schema(doc) == []
+
+
+@needs_shared
+def test_schema_check_catches_a_misspelt_field():
+    doc = _doc()
+    doc["spec"]["templates"][0]["retryStrategy"]["limt"] = 3
+    assert any("limt" in p for p in schema(doc))
+
+
+@pytest.mark.parametrize("kind", ["workflow", "template"])
+@pytest.mark.parametrize("profile", [None, "cuda_1gpu", "local"])
+def test_round_trip_drops_nothing(kind, profile):
+    assert round_trip(_doc(kind=kind, profile=profile)) == []
+
+
+def test_round_trip_reports_a_dropped_key():
+    doc = _doc()
+    doc["spec"]["templates"][0]["notAField"] = 1
+    assert any("notAField" in p for p in round_trip(doc))
+
+
+@pytest.mark.parametrize("overrides", [[], ["resources.train.nodes=2"]])
+def test_project_rules_pass_for_the_shipped_config(overrides):
+    assert project_rules(_doc(*overrides), env={}) == []
+
+
+def test_latest_image_is_flagged():
+    problems = project_rules(_doc("images.cpu.tag=latest"), env={})
+    assert problems and all(":latest" in p for p in problems)
+    assert {"download", "preprocess", "convert"} <= {p.split()[2] for p in problems}
+
+
+def test_literal_secret_in_config_is_flagged_without_printing_it():
+    secret = "s3cr3t-Value-0123"
+    doc = _doc(f"resources.extra_env={{MY_SETTING: {secret}}}")
+    problems = project_rules(doc, env={"AWS_SECRET_ACCESS_KEY": secret})
+    assert any("AWS_SECRET_ACCESS_KEY" in p for p in problems)
+    assert not any(secret in p for p in problems)
+    named = project_rules(_doc("resources.extra_env={AWS_SECRET_ACCESS_KEY: abc}"), env={})
+    assert any("literal value" in p for p in named)
+    keyish = project_rules(_doc("resources.extra_env={X: AKIAABCDEFGHIJKLMNOP}"), env={})
+    assert any("AWS access key id" in p for p in keyish)
+
+
+def test_unproduced_artifact_is_flagged():
+    doc = _doc()
+    dag = _templates(doc)["pipeline"]["dag"]
+    convert = next(t for t in dag["tasks"] if t["name"] == "convert")
+    convert["arguments"]["artifacts"][0]["from"] = "{{tasks.train.outputs.artifacts.weights}}"
+    assert any("does not produce 'weights'" in p for p in project_rules(doc, env={}))
+
+
+def test_lint_command_passes_and_fails(capsys, monkeypatch):
+    from workflows.cli import main
+    for name in ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "ARGO_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["lint"]) == 0
+    assert capsys.readouterr().out.count(": ok") == 2
+    assert main(["lint", "-p", "images.gaudi.tag=latest"]) == 1
+    assert ":latest" in capsys.readouterr().out
+
+
+def test_dag_wiring_and_artifacts():
+    doc = _doc()
+    t = _templates(doc)
+    tasks = {x["name"]: x for x in t["pipeline"]["dag"]["tasks"]}
+    assert tasks["preprocess"]["depends"] == "download"
+    assert tasks["train"]["depends"] == "preprocess"
+    assert tasks["convert"]["depends"] == "train"
+    froms = {a["name"]: a["from"] for a in tasks["convert"]["arguments"]["artifacts"]}
+    assert froms == {"model": "{{tasks.train.outputs.artifacts.model}}",
+                     "dataset": "{{tasks.preprocess.outputs.artifacts.dataset}}"}
+    for name, art in (("download", "raw"), ("preprocess", "dataset"), ("train", "model"),
+                      ("convert", "exported")):
+        outs = {a["name"]: a for a in t[name]["outputs"]["artifacts"]}
+        assert outs[art]["archive"] == {"none": {}}
+    release = {a["name"]: a for a in t["convert"]["outputs"]["artifacts"]}["release"]
+    assert release["s3"]["key"] == "models/unet2d-brats/{{workflow.name}}"
+    assert doc["spec"]["artifactRepositoryRef"] == {"configMap": "artifact-repositories",
+                                                    "key": "default-v1"}
+
+
+def test_artifact_paths_reach_commands_only_through_variables():
+    for tmpl in _doc()["spec"]["templates"]:
+        for arg in (tmpl.get("container") or {}).get("args", []):
+            assert "/data" not in arg, f"{tmpl['name']}: literal artifact path in {arg}"
+        if "container" in tmpl:
+            assert tmpl["container"]["command"] == ["python", "-m", f"steps.{tmpl['name']}"]
+
+
+def test_every_step_retries_with_backoff_and_data_steps_are_memoized():
+    t = _templates(_doc())
+    for name in ("download", "preprocess", "train", "convert"):
+        assert t[name]["retryStrategy"]["backoff"]["duration"] == "30s"
+        assert int(t[name]["retryStrategy"]["limit"]) == 2
+    for name in ("download", "preprocess"):
+        memo = t[name]["memoize"]
+        assert memo["cache"]["configMap"]["name"] == "unet-memoize-cache"
+        assert memo["maxAge"] == "720h"
+        assert "inputs.parameters['source']" in memo["key"]
+        assert "inputs.parameters['md5']" in memo["key"]
+    assert "inputs.parameters['patch-size']" in t["preprocess"]["memoize"]["key"]
+    assert "train" not in {n for n in t if "memoize" in t[n]}
+
+
+def test_workflow_parameters_have_descriptions_and_enums():
+    params = {p["name"]: p for p in _doc()["spec"]["arguments"]["parameters"]}
+    for name in ("source", "md5", "fold", "devices", "batch-size", "max-epochs",
+                 "learning-rate", "precision", "optimizer", "resume-from", "data-image-tag",
+                 "train-image-tag"):
+        assert params[name]["description"], name
+    assert params["fold"]["enum"] == ["0", "1", "2", "3", "4"]
+    assert params["optimizer"]["enum"] == ["adamw", "fusedadamw", "sgd"]
+    assert params["precision"]["enum"] == ["auto", "fp32", "bf16", "fp16"]
+    assert "8" in params["devices"]["enum"]
+
+
+def test_gaudi_train_resources_and_outputs():
+    t = _templates(_doc())["train"]
+    res = t["container"]["resources"]
+    assert res["limits"]["habana.ai/gaudi"] == res["requests"]["habana.ai/gaudi"] == "8"
+    assert res["limits"]["hugepages-2Mi"] == "30000Mi"
+    shm = {v["name"]: v for v in t["volumes"]}["dshm"]["emptyDir"]
+    assert shm["medium"] == "Memory"
+    assert {"mountPath": "/dev/shm", "name": "dshm"} in t["container"]["volumeMounts"]
+    assert t["nodeSelector"] and t["tolerations"]
+    args = t["container"]["args"]
+    uri = args[args.index("--checkpoint-uri") + 1]
+    assert uri == "s3://unet-artifacts/checkpoints/{{workflow.name}}/"
+    assert args[args.index("--resume-from") + 1] == "{{inputs.parameters.resume-from}}"
+    outputs = {p["name"]: p["valueFrom"]["path"] for p in t["outputs"]["parameters"]}
+    assert outputs["mean-dice"] == "{{outputs.artifacts.model.path}}/argo-outputs/mean_dice"
+    assert set(outputs) == {"mean-dice", "best-epoch", "img-per-s"}
+    metrics = {p["name"] for p in t["metrics"]["prometheus"]}
+    assert {"unet_train_duration_seconds", "unet_train_mean_dice"} <= metrics
+    report = {a["name"]: a for a in t["outputs"]["artifacts"]}["report"]
+    assert report["path"].endswith("/report.html")
+
+
+def test_credentials_only_through_secret_refs():
+    text = render(load_config())
+    env = {e["name"]: e for e in _templates(_doc())["train"]["container"]["env"]}
+    assert "secretKeyRef" in env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]
+    assert "value" not in env["AWS_SECRET_ACCESS_KEY"]
+    assert not re.search(r"AKIA[0-9A-Z]{16}", text)
+
+
+@pytest.mark.parametrize("profile,resource,absent", [
+    ("cuda_1gpu", "nvidia.com/gpu", "habana.ai/gaudi"),
+    ("cpu_quick", "cpu", "nvidia.com/gpu"),
+])
+def test_accelerator_switches_resources(profile, resource, absent):
+    res = _templates(_doc(profile=profile))["train"]["container"]["resources"]["limits"]
+    assert resource in res and absent not in res and "habana.ai/gaudi" not in res
+
+
+def test_template_kind_and_multinode_variant():
+    template = _doc(kind="template")
+    assert template["kind"] == "WorkflowTemplate"
+    assert template["metadata"]["name"] == "unet2d-brats"
+    multi = _doc("resources.train.nodes=2")
+    t = _templates(multi)
+    train = t["train"]["resource"]
+    assert train["action"] == "create" and train["setOwnerReference"] is True
+    assert "succeeded > 0" in train["successCondition"]
+    assert "failed > 0" in train["failureCondition"]
+    job = yaml.safe_load(train["manifest"])
+    assert job["kind"] == "PyTorchJob"
+    assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+    script = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    assert "s3://unet-artifacts/checkpoints/{{workflow.name}}/" in script["command"][2]
+    assert "-m steps.train" in script["command"][2]
+    tasks = {x["name"]: x for x in t["pipeline"]["dag"]["tasks"]}
+    assert tasks["convert"]["depends"] == "collect-model"
+
+
+def test_render_script_and_module_agree(tmp_path):
+    out = tmp_path / "wf.yaml"
+    proc = subprocess.run([sys.executable, "workflows/unet.py", "render", "--kind", "template",
+                           "-o", str(out)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_text() == render(load_config(), "template")
+
+
+@needs_shared
+def test_full_lint_of_profiles():
+    for profile in ("fp32_8hpu_training", "bf16_8hpu_training", "cuda_1gpu", "cpu_quick",
+                    "local"):
+        problems, notes = lint(_doc(profile=profile), env={})
+        assert problems == [] and notes == [], profile

@@ -1,0 +1,46 @@
+"""Tiny ``dataset`` artifacts for the train tests, made by the real download and preprocess steps.
+
+``make_dataset`` runs ``python -m steps.download --source synthetic://...`` and
+``python -m steps.preprocess``; results are cached per parameter set for the session.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def step_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")   # robust when the cores are shared
+    env.update(extra)
+    return env
+
+
+def run_step(module: str, *args: str, env: dict[str, str] | None = None,
+             timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", f"steps.{module}", *args], cwd=REPO,
+                          env=env or step_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def make_dataset(root: Path, cases: int, shape: str, seed: int, patch: str) -> Path:
+    """Synthetic raw data → preprocess → ``root/dataset`` (the real steps, no shortcuts)."""
+    raw, dataset = root / "raw", root / "dataset"
+    if (dataset / "MANIFEST.json").is_file():
+        return dataset
+    shutil.rmtree(raw, ignore_errors=True)
+    shutil.rmtree(dataset, ignore_errors=True)
+    source = f"synthetic://?cases={cases}&shape={shape}&seed={seed}"
+    done = run_step("download", "--source", source, "--raw", str(raw))
+    assert done.returncode == 0, done.stderr
+    done = run_step("preprocess", "--raw", str(raw), "--dataset", str(dataset),
+                    "--patch-size", patch, "--workers", "1")
+    assert done.returncode == 0, done.stderr
+    shutil.rmtree(raw)
+    return dataset

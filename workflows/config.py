@@ -1,0 +1,334 @@
+"""The one configuration model: ``config/pipeline.yaml`` + a profile + ``-p key=value``.
+
+Loading order: the file's base values, then the named profile (a partial mapping merged
+into the base), then each ``-p`` override. The result is validated once; the first
+unknown key or bad value becomes a :class:`ConfigError` whose message is one line naming
+the key, e.g. ``config: train.fold: must be <= 4 (got 7)``.
+
+Override keys are dotted paths (``train.batch_size=32``). A bare key (``batch_size=32``)
+is accepted when exactly one section has it. Values stay text and the model
+converts them (``true``, ``8``, ``1e-4``), so a tag like ``1.10`` stays ``1.10``.
+"""
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from steps.errors import StepError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "config" / "pipeline.yaml"
+STAGES = ("download", "preprocess", "train", "convert")
+_QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
+_DURATION = r"^[0-9]+(s|m|h)$"
+_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class ConfigError(StepError):
+    """A bad config file, profile or override; the message is one line naming the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Pipeline(_Strict):
+    model_name: str = Field("unet2d-brats", pattern=_NAME, max_length=40,
+                            description="model name: workflow prefix, models/<model_name>/ key")
+    stages: list[Literal["download", "preprocess", "train", "convert"]] = list(STAGES)
+    service_account: str = Field("unet-workflow", pattern=_NAME)
+    run_as_user: int = Field(1000, ge=1, description="non-root uid for every step pod")
+
+    @field_validator("stages")
+    @classmethod
+    def _all_stages_in_order(cls, value: list[str]) -> list[str]:
+        if tuple(value) != STAGES:
+            raise ValueError(f"must be {list(STAGES)} (the DAG has exactly these stages)")
+        return value
+
+
+class Image(_Strict):
+    repository: str = Field(min_length=1)
+    tag: str = Field(min_length=1)
+
+
+class Images(_Strict):
+    cpu: Image
+    cuda: Image
+    gaudi: Image
+    pull_policy: Literal["IfNotPresent", "Always", "Never"] = "IfNotPresent"
+
+
+class Storage(_Strict):
+    artifact_repository_configmap: str = Field("artifact-repositories", pattern=_NAME)
+    artifact_repository_key: str = Field("default-v1", min_length=1)
+    bucket: str = Field("unet-artifacts", min_length=3, max_length=63)
+    endpoint: str = Field("", description="S3 endpoint for the checkpoint store; empty = AWS")
+    region: str = "us-east-1"
+    credentials_secret: str = Field("unet-s3-credentials", pattern=_NAME)
+    access_key_key: str = "accessKey"
+    secret_key_key: str = "secretKey"
+    checkpoint_prefix: str = "checkpoints"
+    models_prefix: str = "models"
+
+
+class Memoize(_Strict):
+    config_map: str = Field("unet-memoize-cache", pattern=_NAME)
+    max_age: str = Field("720h", pattern=_DURATION)
+
+
+class Retry(_Strict):
+    limit: int = Field(2, ge=0, le=10)
+    backoff_duration: str = Field("30s", pattern=_DURATION)
+    backoff_factor: int = Field(2, ge=1)
+    backoff_max_duration: str = Field("10m", pattern=_DURATION)
+
+
+class Download(_Strict):
+    source: str = Field(min_length=1)
+    md5: str = Field("", pattern=r"^([0-9a-f]{32})?$")
+
+
+class Preprocess(_Strict):
+    workers: int = Field(4, ge=1)
+    image_dtype: Literal["float16", "float32"] = "float16"
+    mode: Literal["default", "anchor"] = "default"
+    patch_size: str = Field("192x160", pattern=r"^[1-9][0-9]*x[1-9][0-9]*$")
+
+
+class Train(_Strict):
+    device: Literal["auto", "hpu", "cuda", "cpu"] = "auto"
+    devices: int = Field(1, ge=1, le=64)
+    batch_size: int = Field(64, ge=1)
+    val_batch_size: int = Field(64, ge=1)
+    learning_rate: float = Field(1e-3, gt=0, le=1)
+    weight_decay: float = Field(1e-4, ge=0)
+    optimizer: Literal["adamw", "fusedadamw", "sgd"] = "adamw"
+    min_epochs: int = Field(1, ge=0)
+    max_epochs: int = Field(100, ge=1)
+    patience: int = Field(10, ge=0)
+    steps_per_epoch: int = Field(0, ge=0)
+    deep_supervision: bool = True
+    norm: Literal["instance", "batch", "group"] = "instance"
+    base_filters: int = Field(32, ge=1)
+    seed: int = Field(1, ge=0)
+    num_workers: int = Field(8, ge=0)
+    fold: int = Field(0, ge=0, le=4)
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    hpu_mode: Literal["compile", "lazy", "eager"] = "compile"
+    checkpoint_minutes: float = Field(10, gt=0)
+    resume: Literal["auto", "never"] = "auto"
+    resume_from: str = ""
+
+
+class Convert(_Strict):
+    opset: int = Field(17, ge=17)
+    parity_slices: int = Field(32, ge=32)
+
+
+class Toleration(_Strict):
+    key: str
+    operator: Literal["Exists", "Equal"] = "Exists"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+
+
+class StepResources(_Strict):
+    cpu: str = Field("1", pattern=_QUANTITY)
+    memory: str = Field("4Gi", pattern=_QUANTITY)
+
+
+class TrainResources(_Strict):
+    accelerator: Literal["gaudi", "cuda", "cpu"] = "gaudi"
+    nodes: int = Field(1, ge=1, le=64, description="> 1 trains through a Kubeflow PyTorchJob")
+    cpu: str = Field("32", pattern=_QUANTITY)
+    memory: str = Field("500Gi", pattern=_QUANTITY)
+    hugepages_2mi: str = Field("30000Mi", pattern=_QUANTITY)
+    shm_size: str = Field("64Gi", pattern=_QUANTITY)
+    node_selector: dict[str, str] = {}
+    tolerations: list[Toleration] = []
+
+
+class Resources(_Strict):
+    work_volume_size: str = Field("100Gi", pattern=_QUANTITY,
+                                  description="emptyDir sizeLimit holding artifacts in a pod")
+    download: StepResources = StepResources(cpu="1", memory="2Gi")
+    preprocess: StepResources = StepResources(cpu="8", memory="32Gi")
+    convert: StepResources = StepResources(cpu="4", memory="16Gi")
+    train: TrainResources = TrainResources()
+    extra_env: dict[str, str] = Field({}, description="literal env for every step (tuning)")
+
+
+class Config(_Strict):
+    pipeline: Pipeline = Pipeline()
+    images: Images
+    storage: Storage = Storage()
+    memoize: Memoize = Memoize()
+    retry: Retry = Retry()
+    download: Download
+    preprocess: Preprocess = Preprocess()
+    train: Train = Train()
+    convert: Convert = Convert()
+    resources: Resources = Resources()
+    profiles: dict[str, dict[str, Any]] = {}
+    local_profile: str = ""
+    profile: str = Field("", description="the profile applied, filled in by load_config")
+
+    def image(self, kind: str) -> Image:
+        return getattr(self.images, kind)
+
+    @property
+    def train_image_kind(self) -> str:
+        return self.resources.train.accelerator
+
+
+SECTIONS = ("pipeline", "images", "storage", "memoize", "retry", "download", "preprocess",
+            "train", "convert", "resources")
+
+
+def _merge(base: dict, update: dict) -> dict:
+    """Deep-merge ``update`` into a copy of ``base`` (mappings merge, everything else replaces)."""
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _resolve_key(raw: dict, key: str) -> list[str]:
+    """A dotted override key as a path; a bare key must belong to exactly one section."""
+    if not re.fullmatch(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_-]+)*", key):
+        raise ConfigError(f"override '{key}': not a key (use section.key=value)")
+    if "." in key:
+        return key.split(".")
+    owners = [s for s in SECTIONS
+              if s in Config.model_fields and _section_fields(s) and key in _section_fields(s)]
+    if len(owners) == 1:
+        return [owners[0], key]
+    if not owners:
+        raise ConfigError(f"override '{key}': unknown key")
+    raise ConfigError(f"override '{key}': ambiguous, say one of "
+                      + ", ".join(f"{o}.{key}" for o in owners))
+
+
+def _section_fields(section: str) -> set[str]:
+    annotation = Config.model_fields[section].annotation
+    return set(getattr(annotation, "model_fields", {}))
+
+
+def apply_override(raw: dict, item: str) -> dict:
+    """Apply one ``key=value`` override to the raw mapping."""
+    key, sep, text = item.partition("=")
+    if not sep:
+        raise ConfigError(f"override '{item}': expected key=value")
+    path = _resolve_key(raw, key.strip())
+    value: Any = text.strip()
+    if value.startswith(("{", "[")):  # a mapping or list; scalars stay text for the model
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(f"override '{key}': value is not valid YAML") from None
+    node = raw
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{key}': {part} is not a section")
+        node = child
+    node[path[-1]] = value
+    return raw
+
+
+def _one_line(error: ValidationError, source: str) -> ConfigError:
+    first = error.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return ConfigError(f"{source}: {loc}: unknown key")
+    if first["type"] == "missing":
+        return ConfigError(f"{source}: {loc}: required key is missing")
+    message = first["msg"]
+    message = re.sub(r"^(Value error, |Input should be )", "", message)
+    got = first.get("input")
+    shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+    return ConfigError(f"{source}: {loc}: must be {message}{shown}".replace("must be must",
+                                                                         "must"))
+
+
+def load_config(path: str | Path | None = None, profile: str | None = None,
+                overrides: Sequence[str] = (), *, local: bool = False) -> Config:
+    """Load, merge and validate the pipeline config; raise ConfigError (one line) if bad.
+
+    ``local`` picks the file's ``local_profile`` when no profile is named.
+    """
+    path = Path(path or DEFAULT_CONFIG)
+    source = f"config {path.name}"
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"config {path}: cannot read ({exc.strerror})")
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config {path}:{where} is not valid YAML")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config {path}: top level must be a mapping")
+    profiles = raw.get("profiles") or {}
+    if not isinstance(profiles, dict):
+        raise ConfigError(f"{source}: profiles: must be a mapping of name to overrides")
+    _check_profiles(raw, profiles, source)
+    name = profile if profile is not None else (raw.get("local_profile", "") if local else "")
+    if name:
+        if name not in profiles:
+            raise ConfigError(f"profile '{name}': unknown (known: {', '.join(sorted(profiles))})")
+        raw = _merge(raw, profiles[name])
+    raw["profile"] = name or ""
+    for item in overrides:
+        raw = apply_override(raw, item)
+    try:
+        config = Config.model_validate(raw)
+    except ValidationError as exc:
+        raise _one_line(exc, source) from None
+    _check_consistency(config, source)
+    return config
+
+
+def _check_profiles(raw: dict, profiles: dict, source: str) -> None:
+    """Every named profile must itself give a valid config; a bad one is named early."""
+    for name, body in profiles.items():
+        if not isinstance(body, dict):
+            raise ConfigError(f"{source}: profiles.{name}: must be a mapping")
+        bad = sorted(set(body) - set(SECTIONS))
+        if bad:
+            raise ConfigError(f"{source}: profiles.{name}.{bad[0]}: unknown key")
+        try:
+            merged = Config.model_validate(_merge(raw, body))
+        except ValidationError as exc:
+            raise _one_line(exc, f"{source}: profiles.{name}") from None
+        _check_consistency(merged, f"{source}: profiles.{name}")
+    local = raw.get("local_profile") or ""
+    if local and local not in profiles:
+        raise ConfigError(f"{source}: local_profile: names unknown profile '{local}'")
+
+
+def _check_consistency(config: Config, source: str) -> None:
+    train = config.train
+    if train.min_epochs > train.max_epochs:
+        raise ConfigError(f"{source}: train.min_epochs: must be <= train.max_epochs "
+                          f"({train.min_epochs} > {train.max_epochs})")
+    if train.batch_size < train.devices:
+        raise ConfigError(f"{source}: train.batch_size: must be >= train.devices "
+                          f"({train.batch_size} < {train.devices})")
+    accelerator = config.resources.train.accelerator
+    wanted = {"gaudi": "hpu", "cuda": "cuda", "cpu": "cpu"}[accelerator]
+    if train.device not in ("auto", wanted):
+        raise ConfigError(f"{source}: train.device: '{train.device}' does not match "
+                          f"resources.train.accelerator '{accelerator}' (use {wanted} or auto)")
+    if config.resources.train.nodes > 1 and accelerator == "cpu":
+        raise ConfigError(f"{source}: resources.train.nodes: multi-node training needs "
+                          "accelerator gaudi or cuda")

@@ -1,0 +1,231 @@
+"""Checks on the compiled workflow: Hera round-trip, Argo's JSON schema, project rules.
+
+Each check returns a list of one-line problems; an empty list means it passed.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from hera.workflows import Workflow, WorkflowTemplate
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VALIDATOR = REPO_ROOT.parent / "shared" / "tools" / "validate_argo.py"
+CREDENTIAL_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN",
+                  "ARGO_TOKEN", "MINIO_ROOT_PASSWORD", "MINIO_ROOT_USER")
+_SECRET_NAME = re.compile(r"(SECRET|PASSWORD|PASSWD|TOKEN|ACCESS_KEY|PRIVATE_KEY|API_KEY)",
+                          re.IGNORECASE)
+_SECRET_PATTERNS = {
+    "an AWS access key id": re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b"),
+    "a private key": re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
+    "credentials in a URL": re.compile(r"\b[a-z][a-z0-9+.-]*://[^/\s:@{}]+:[^/\s@{}]+@"),
+}
+_PARAM = re.compile(r"\{\{\s*workflow\.parameters\.([\w-]+)\s*\}\}")
+
+
+def round_trip(doc: dict) -> list[str]:
+    """Hera must read back exactly what it wrote: build -> to_dict -> from_dict -> to_dict."""
+    cls = WorkflowTemplate if doc.get("kind") == "WorkflowTemplate" else Workflow
+    again = cls.from_dict(json.loads(json.dumps(doc))).to_dict()
+    return [f"round-trip: {path} {why}" for path, why in _diff(doc, again, "")]
+
+
+def _diff(a, b, path: str) -> Iterator[tuple[str, str]]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            where = f"{path}.{key}" if path else key
+            if key not in b:
+                yield where, "dropped"
+            elif key not in a:
+                yield where, "added"
+            else:
+                yield from _diff(a[key], b[key], where)
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            yield from _diff(x, y, f"{path}[{i}]")
+    elif a != b:
+        yield path, "changed"
+
+
+@functools.lru_cache(maxsize=1)
+def _validators():
+    module = load_validator()
+    return None if module is None else module.validators(module.load_schema())
+
+
+def load_validator():
+    """``../shared/tools/validate_argo.py`` as a module, or None where it is absent."""
+    if not VALIDATOR.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("validate_argo", VALIDATOR)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def schema(doc: dict) -> list[str] | None:
+    """Argo v4.1.2 JSON schema problems; None when the validator is not available."""
+    validators = _validators()
+    if validators is None:
+        return None
+    check = validators[doc["kind"]]
+    return [f"schema: at {'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message[:160]}"
+            for e in sorted(check.iter_errors(doc), key=lambda e: list(e.absolute_path))]
+
+
+def _templates(doc: dict) -> dict[str, dict]:
+    return {t["name"]: t for t in doc["spec"]["templates"]}
+
+
+def artifacts_wired(doc: dict) -> list[str]:
+    """Every artifact a task consumes is produced by a task it depends on, and every input
+    artifact a template declares is supplied."""
+    problems: list[str] = []
+    templates = _templates(doc)
+    for dag in (t for t in templates.values() if "dag" in t):
+        tasks = {t["name"]: t for t in dag["dag"]["tasks"]}
+        for task in tasks.values():
+            supplied = {a["name"]: a for a in (task.get("arguments") or {}).get("artifacts", [])}
+            wanted = (templates.get(task["template"], {}).get("inputs") or {}).get("artifacts",
+                                                                                    [])
+            for art in wanted:
+                if art["name"] not in supplied and not art.get("optional") and "s3" not in art:
+                    problems.append(f"artifacts: task {task['name']} does not supply input "
+                                    f"artifact '{art['name']}'")
+            for name, art in supplied.items():
+                match = re.fullmatch(r"\{\{tasks\.([\w-]+)\.outputs\.artifacts\.([\w-]+)\}\}",
+                                     art.get("from", ""))
+                if not match:
+                    problems.append(f"artifacts: task {task['name']} artifact '{name}' is not "
+                                    "taken from a task output")
+                    continue
+                producer, output = match.groups()
+                if producer not in tasks:
+                    problems.append(f"artifacts: task {task['name']} reads '{output}' from "
+                                    f"unknown task {producer}")
+                    continue
+                outputs = (templates[tasks[producer]["template"]].get("outputs") or {})
+                if output not in {a["name"] for a in outputs.get("artifacts", [])}:
+                    problems.append(f"artifacts: task {producer} does not produce '{output}' "
+                                    f"(consumed by {task['name']})")
+                if not _reaches(tasks, task["name"], producer):
+                    problems.append(f"artifacts: task {task['name']} reads '{output}' from "
+                                    f"{producer} but does not depend on it")
+    return problems
+
+
+def _reaches(tasks: dict, start: str, target: str) -> bool:
+    stack, seen = [start], set()
+    while stack:
+        name = stack.pop()
+        for dep in re.findall(r"[\w-]+", tasks[name].get("depends", "")):
+            if dep == target:
+                return True
+            if dep in tasks and dep not in seen:
+                seen.add(dep)
+                stack.append(dep)
+    return False
+
+
+def _walk(node, path: str = "") -> Iterator[tuple[str, object]]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _walk(value, f"{path}.{key}" if path else key)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _walk(value, f"{path}[{i}]")
+    else:
+        yield path, node
+
+
+def no_literal_secrets(doc: dict, env: dict | None = None) -> list[str]:
+    """No credential value from the environment, no key-shaped string, and no credential-
+    named env var with a literal value. Messages name the place, never the value."""
+    env = os.environ if env is None else env
+    values = {name: env[name] for name in CREDENTIAL_ENV if len(env.get(name, "")) >= 4}
+    problems = []
+    for path, value in _walk(doc):
+        if not isinstance(value, str):
+            continue
+        for name, secret in values.items():
+            if secret in value:
+                problems.append(f"secrets: {path} contains the value of ${name}")
+        for what, pattern in _SECRET_PATTERNS.items():
+            if pattern.search(value):
+                problems.append(f"secrets: {path} contains {what}")
+    for tmpl in doc["spec"]["templates"]:
+        for var in (tmpl.get("container") or {}).get("env", []):
+            if "value" in var and _SECRET_NAME.search(var["name"]):
+                problems.append(f"secrets: template {tmpl['name']} sets {var['name']} to a "
+                                "literal value (use valueFrom.secretKeyRef)")
+    return problems
+
+
+def images_pinned(doc: dict) -> list[str]:
+    """Every image has a tag or digest (workflow parameter defaults resolved), not latest."""
+    defaults = {p["name"]: str(p.get("value", ""))
+                for p in (doc["spec"].get("arguments") or {}).get("parameters", [])}
+    sources = _param_sources(doc)
+    problems = []
+    for tmpl in doc["spec"]["templates"]:
+        for where, image in _images(tmpl):
+            resolved = _resolve(image, sources.get(tmpl["name"], {}), defaults)
+            name = resolved.rsplit("/", 1)[-1]
+            if "@sha256:" in resolved:
+                continue
+            tag = name.split(":", 1)[1] if ":" in name else ""
+            if not tag:
+                problems.append(f"images: template {tmpl['name']} {where} '{resolved}' has no tag")
+            elif tag == "latest":
+                problems.append(f"images: template {tmpl['name']} {where} '{resolved}' uses "
+                                ":latest")
+    return problems
+
+
+def _images(tmpl: dict) -> Iterable[tuple[str, str]]:
+    if "container" in tmpl:
+        yield "container", tmpl["container"]["image"]
+    manifest = (tmpl.get("resource") or {}).get("manifest", "")
+    for image in re.findall(r"image:\s*['\"]?([^\s'\"]+)", manifest):
+        yield "resource", image
+
+
+def _param_sources(doc: dict) -> dict[str, dict[str, str]]:
+    """For each template, the value each input parameter gets from its DAG task."""
+    templates = _templates(doc)
+    sources: dict[str, dict[str, str]] = {}
+    for dag in (t for t in templates.values() if "dag" in t):
+        for task in dag["dag"]["tasks"]:
+            for p in (task.get("arguments") or {}).get("parameters", []):
+                sources.setdefault(task["template"], {})[p["name"]] = str(p.get("value", ""))
+    return sources
+
+
+def _resolve(text: str, inputs: dict[str, str], defaults: dict[str, str]) -> str:
+    """``{{inputs.parameters.X}}`` -> the task's argument -> the workflow parameter default."""
+    text = re.sub(r"\{\{\s*inputs\.parameters\.([\w-]+)\s*\}\}",
+                  lambda mt: inputs.get(mt.group(1), mt.group(0)), text)
+    return _PARAM.sub(lambda mt: defaults.get(mt.group(1), ""), text)
+
+
+def project_rules(doc: dict, env: dict | None = None) -> list[str]:
+    found = artifacts_wired(doc) + no_literal_secrets(doc, env) + images_pinned(doc)
+    return list(dict.fromkeys(found))
+
+
+def lint(doc: dict, env: dict | None = None) -> tuple[list[str], list[str]]:
+    """All checks; returns (problems, notes)."""
+    problems = round_trip(doc)
+    notes = []
+    found = schema(doc)
+    if found is None:
+        notes.append(f"schema: skipped, {VALIDATOR} is absent")
+    else:
+        problems += found
+    problems += project_rules(doc, env)
+    return problems, notes

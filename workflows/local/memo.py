@@ -1,0 +1,74 @@
+"""Memoization like Argo's, with the cache kept in the artifact bucket.
+
+Argo stores a memoized node's outputs in the ConfigMap ``memoize.cache.configMap.name``
+under the resolved ``memoize.key`` (which must match ``^[a-zA-Z0-9][-a-zA-Z0-9]*$``); a
+later node with the same key, younger than ``maxAge`` (default 30 days), is not run and
+reuses those outputs. Here the entry is an object
+``<MEMO_PREFIX>/<configMap>/<key>.json`` in the artifact bucket, so the cache lives and
+dies with the artifacts it points to. An entry whose artifacts are gone is a miss.
+"""
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime, timezone
+
+from steps import storage
+from steps.artifacts import MANIFEST
+from workflows.local.errors import LocalRunError
+from workflows.local.results import ArtifactRef
+
+MEMO_PREFIX = "argo-local-memoize"
+KEY_RE = re.compile(r"^[a-zA-Z0-9][-a-zA-Z0-9]*$")
+DEFAULT_MAX_AGE_S = 30 * 24 * 3600
+
+
+def _uri(bucket: str, configmap: str, key: str) -> str:
+    return f"s3://{bucket}/{MEMO_PREFIX}/{configmap}/{key}.json"
+
+
+def check_key(key: str, where: str) -> str:
+    if not KEY_RE.match(key):
+        raise LocalRunError(f"{where}: memoization key {key!r} is not valid for Argo's "
+                            "ConfigMap cache (^[a-zA-Z0-9][-a-zA-Z0-9]*$; hash long inputs)")
+    return key
+
+
+def _present(ref: ArtifactRef) -> bool:
+    if ref.kind == "file" or ref.archive == "tar":
+        return storage.exists(ref.uri)
+    if ref.manifest:
+        return storage.exists(f"{ref.uri.rstrip('/')}/{MANIFEST}")
+    return bool(storage.list_keys(ref.uri))
+
+
+def load(bucket: str, configmap: str, key: str, max_age_s: float) -> dict | None:
+    """The cached outputs for ``key`` when fresh and complete, else None (a miss)."""
+    uri = _uri(bucket, configmap, key)
+    if not storage.exists(uri):
+        return None
+    try:
+        entry = json.loads(storage.get_bytes(uri))
+        created = datetime.fromisoformat(entry["creationTimestamp"])
+        refs = [ArtifactRef.from_dict(a) for a in entry["outputs"]["artifacts"]]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if (datetime.now(timezone.utc) - created).total_seconds() > max_age_s:
+        return None
+    if not all(_present(ref) for ref in refs):
+        return None
+    entry["lastHitTimestamp"] = datetime.now(timezone.utc).isoformat()
+    storage.put_bytes(json.dumps(entry, indent=1).encode(), uri)
+    return {"node_id": entry.get("nodeID", ""), "parameters": entry["outputs"]["parameters"],
+            "artifacts": {ref.name: ref for ref in refs}}
+
+
+def save(bucket: str, configmap: str, key: str, node_id: str, parameters: dict[str, str],
+         artifacts: dict[str, ArtifactRef]) -> str:
+    now = datetime.now(timezone.utc).isoformat()
+    entry = {"nodeID": node_id, "creationTimestamp": now, "lastHitTimestamp": now,
+             "outputs": {"parameters": parameters,
+                         "artifacts": [vars(ref) for ref in artifacts.values()]}}
+    uri = _uri(bucket, configmap, key)
+    storage.put_bytes(json.dumps(entry, indent=1).encode(), uri)
+    return uri

@@ -1,0 +1,142 @@
+"""Multi-node training (``resources.train.nodes > 1``) through a Kubeflow PyTorchJob.
+
+Why PyTorchJob and not MPIJob: the train step is launched with ``torch.distributed.run``
+(DESIGN.md), and the Training Operator's PyTorchJob sets exactly what torchrun reads on each
+pod (``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``, ``PET_MASTER_ADDR``,
+``PET_MASTER_PORT``), so every pod runs the same ``python -m torch.distributed.run -m
+steps.train`` and HCCL/NCCL rendezvous through torch's own store. Habana's examples use
+MPIJob because they launch with ``mpirun``; that needs a launcher pod, SSH keys between
+workers and OpenMPI in the image, none of which this step uses.
+
+The DAG becomes ``preprocess -> share-dataset -> train (resource) -> collect-model ->
+convert``. The job's pods are not Argo pods, so ``share-dataset`` re-stores the dataset at a
+fixed key under the workflow's name, the workers fetch it (``steps.handoff fetch``), rank 0
+pushes the model (``steps.handoff push``), and ``collect-model`` turns that key back into the
+ordinary ``model`` artifact with the train output parameters and metrics. The checkpoint URI
+is the single-node one, so an Argo retry of the resource step resumes.
+"""
+from __future__ import annotations
+
+import shlex
+
+import yaml
+from hera.workflows import Artifact, Container, Parameter, Resource, S3Artifact, Task
+from hera.workflows import models as m
+from hera.workflows.archive import NoneArchiveStrategy
+
+from workflows.config import Config
+from workflows import unet
+
+POD_DATA = "/data"  # inside the job's pods (not an Argo artifact path)
+
+
+def shared_key(what: str) -> str:
+    return "{{workflow.name}}/shared/%s" % what
+
+
+def shared_uri(cfg: Config, what: str) -> str:
+    return f"s3://{cfg.storage.bucket}/{shared_key(what)}"
+
+
+def _worker_script(cfg: Config) -> str:
+    train = unet.train_args(cfg, f"{POD_DATA}/dataset", f"{POD_DATA}/model")
+    return " && ".join([
+        "set -e",
+        shlex.join(["python", "-m", "steps.handoff", "fetch", "--artifact", "dataset",
+                    shared_uri(cfg, "dataset"), f"{POD_DATA}/dataset"]),
+        shlex.join(["python", "-m", "torch.distributed.run", "-m", "steps.train"] + train),
+        'if [ "${PET_NODE_RANK:-0}" = "0" ]; then '
+        + shlex.join(["python", "-m", "steps.handoff", "push", "--artifact", "model",
+                      f"{POD_DATA}/model", shared_uri(cfg, "model")]) + "; fi",
+    ])
+
+
+def _pod(cfg: Config, replicas: int) -> dict:
+    resources, volumes, mounts = unet.accelerator_resources(cfg)
+    r = cfg.resources.train
+    env = [e.model_dump(by_alias=True, exclude_none=True)
+           for e in unet.s3_env(cfg) + unet.extra_env(cfg)]
+    pod = {
+        "serviceAccountName": cfg.pipeline.service_account,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": cfg.pipeline.run_as_user,
+                            "runAsGroup": cfg.pipeline.run_as_user,
+                            "fsGroup": cfg.pipeline.run_as_user},
+        "containers": [{
+            "name": "pytorch",  # the operator requires this container name
+            "image": unet.image(cfg, cfg.train_image_kind),
+            "imagePullPolicy": cfg.images.pull_policy,
+            "command": ["sh", "-c", _worker_script(cfg)],
+            "env": env,
+            "resources": resources.model_dump(by_alias=True, exclude_none=True),
+            "volumeMounts": [v.model_dump(by_alias=True, exclude_none=True) for v in mounts],
+        }],
+        "volumes": [v.model_dump(by_alias=True, exclude_none=True) for v in volumes],
+    }
+    if r.node_selector:
+        pod["nodeSelector"] = dict(r.node_selector)
+    if r.tolerations:
+        pod["tolerations"] = [t.model_dump(exclude_none=True) for t in r.tolerations]
+    return {"replicas": replicas, "restartPolicy": "OnFailure", "template": {"spec": pod}}
+
+
+def job_manifest(cfg: Config) -> str:
+    nodes = cfg.resources.train.nodes
+    job = {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"generateName": "{{workflow.name}}-train-",
+                     "labels": {"app.kubernetes.io/name": "unet-argo",
+                                "workflows.argoproj.io/workflow": "{{workflow.name}}"}},
+        "spec": {
+            "nprocPerNode": str(cfg.train.devices),
+            "runPolicy": {"cleanPodPolicy": "None", "backoffLimit": cfg.retry.limit},
+            "pytorchReplicaSpecs": {"Master": _pod(cfg, 1), "Worker": _pod(cfg, nodes - 1)},
+        },
+    }
+    return yaml.safe_dump(job, sort_keys=False, width=1000)
+
+
+def templates(cfg: Config) -> dict:
+    """The three templates that replace the single train container."""
+    share = Container(
+        name="share-dataset", image=unet.image(cfg, "cpu"),
+        image_pull_policy=cfg.images.pull_policy,
+        command=["python", "-m", "steps.handoff", "verify", "--artifact", "dataset",
+                 "{{inputs.artifacts.dataset.path}}"],
+        inputs=[Parameter(name="image-tag"), unet.directory("dataset")],
+        outputs=[S3Artifact(name="dataset", path=f"{unet.DATA}/dataset",
+                            key=shared_key("dataset"), archive=NoneArchiveStrategy())],
+        resources=unet.step_resources("1", "2Gi", cfg.resources.work_volume_size),
+        retry_strategy=unet.retry(cfg))
+    train = Resource(
+        name="train", action="create", set_owner_reference=True,
+        manifest=job_manifest(cfg),
+        success_condition="status.replicaStatuses.Master.succeeded > 0",
+        failure_condition="status.replicaStatuses.Master.failed > 0",
+        inputs=[Parameter(name=n) for n in unet.TRAIN_PARAMS],
+        retry_strategy=unet.retry(cfg))
+    collect = Container(
+        name="collect-model", image=unet.image(cfg, "cpu"),
+        image_pull_policy=cfg.images.pull_policy,
+        command=["python", "-m", "steps.handoff", "verify", "--artifact", "model",
+                 "{{inputs.artifacts.model.path}}"],
+        inputs=[Parameter(name="image-tag"), Parameter(name="precision"),
+                S3Artifact(name="model", path=f"{unet.DATA}/model", key=shared_key("model"))],
+        outputs=unet.model_outputs(),
+        resources=unet.step_resources("1", "2Gi", cfg.resources.work_volume_size),
+        retry_strategy=unet.retry(cfg), metrics=unet.train_metrics(cfg))
+    return {"share": share, "train": train, "collect": collect}
+
+
+def tasks(cfg: Config, tmpl: dict, train_args: list[Parameter]) -> tuple[Task, Task]:
+    """Create the tasks inside the open DAG; return (first, last) for the caller's wiring."""
+    data_tag = unet.wf_param("data-image-tag")
+    share = Task(name="share-dataset", template=tmpl["share"],
+                 arguments=unet.params(image_tag=data_tag)
+                 + [unet.from_task("preprocess", "dataset")])
+    train = Task(name="train", template=tmpl["train"], arguments=train_args)
+    collect = Task(name="collect-model", template=tmpl["collect"],
+                   arguments=unet.params(image_tag=data_tag,
+                                         precision=unet.wf_param("precision")))
+    share >> train >> collect
+    return share, collect
