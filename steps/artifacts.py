@@ -10,6 +10,7 @@ directory is left empty, so nothing partial is ever published.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -122,6 +123,17 @@ def _empty(directory: Path) -> None:
             child.unlink()
 
 
+_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+
+
+def _disk_full(exc: OSError) -> bool:
+    """ENOSPC, EFBIG (RLIMIT_FSIZE) or EDQUOT, or numpy's errno-less short-write error."""
+    if exc.errno in _FULL:
+        return True
+    text = str(exc)
+    return exc.errno is None and " requested and " in text and text.endswith(" written")
+
+
 @contextmanager
 def publish(out_dir: Path | str, artifact: str, step: str,
             parameters: dict[str, Any]) -> Iterator[Path]:
@@ -146,6 +158,13 @@ def publish(out_dir: Path | str, artifact: str, step: str,
             os.replace(child, out_dir / child.name)
         staging.rmdir()
         write_manifest(out_dir, artifact, step, parameters)
+    except OSError as exc:
+        _empty(out_dir)
+        if not _disk_full(exc):
+            raise
+        raise StepError(f"output directory {out_dir} for '{artifact}': disk full or file size "
+                        f"limit reached ({exc.strerror or exc}); nothing was published, free "
+                        "space or give the step a larger volume") from None
     except BaseException:
         _empty(out_dir)
         raise

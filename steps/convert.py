@@ -41,7 +41,7 @@ import numpy as np
 
 from steps.artifacts import manifest_digest, publish, require
 from steps.dataset import fold_names, open_cases, read_metadata
-from steps.errors import StepError, run_main
+from steps.errors import OneLineArgumentParser, StepError, run_main
 from steps import predict
 
 STEP = "convert"
@@ -68,9 +68,7 @@ _CHECKPOINT_KEYS = ("model_state", "model_config")
 
 # ------------------------------------------------------------------------------- CLI
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2, like every other bad input
-        raise StepError(message)
+_Parser = OneLineArgumentParser  # one line, exit 2, like every other bad input
 
 
 def build_parser() -> argparse.ArgumentParser:

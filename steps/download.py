@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from steps import __version__
 from steps.artifacts import publish
-from steps.errors import StepError, run_main
+from steps.errors import OneLineArgumentParser, StepError, run_main
 from steps.synthetic import MIN_SHAPE, TASK, write_msd_task
 
 ARTIFACT = "raw"
@@ -542,7 +542,7 @@ def build_raw(source: Source, staging: Path, cache_dir: Path, md5: str | None,
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog="python -m steps.download",
         description="Fetch MSD Task01_BrainTumour (or generate a synthetic stand-in) and "
                     "publish it as the 'raw' artifact: Task01_BrainTumour/{dataset.json, "

@@ -16,12 +16,12 @@ import sys
 from typing import Sequence
 
 from steps.artifacts import require
-from steps.errors import run_main
+from steps.errors import OneLineArgumentParser, run_main
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m steps.handoff", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(prog="python -m steps.handoff", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="action", required=True)
     for action, places in (("verify", ["directory"]), ("fetch", ["uri", "directory"]),
                            ("push", ["directory", "uri"])):

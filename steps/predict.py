@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from steps.errors import StepError, run_main
+from steps.errors import OneLineArgumentParser, StepError, run_main
 
 INPUT_NAME = "image"
 OUTPUT_NAME = "logits"
@@ -171,9 +171,7 @@ def write_label(labels: np.ndarray, affine: np.ndarray, path: Path) -> None:
 
 # -------------------------------------------------------------------------------- CLI
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2, like every other bad input
-        raise StepError(message)
+_Parser = OneLineArgumentParser  # one line, exit 2, like every other bad input
 
 
 def build_parser() -> argparse.ArgumentParser:

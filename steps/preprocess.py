@@ -63,7 +63,7 @@ from tqdm import tqdm
 from steps import nifti
 from steps.artifacts import publish, require
 from steps.dataset import DATASET_JSON, FORMAT_VERSION, kfold_split
-from steps.errors import StepError, run_main
+from steps.errors import OneLineArgumentParser, StepError, run_main
 
 MODES = ("default", "anchor")
 IMAGE_DTYPES = ("float16", "float32")
@@ -400,7 +400,7 @@ def parse_patch(text: str) -> tuple[int, int]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog="python -m steps.preprocess",
         description="Turn the 'raw' MSD task (NIfTI) into the 'dataset' artifact: foreground "
                     "crop, channel-wise z-score, (C, D, H, W) image and (D, H, W) label .npy "

@@ -171,40 +171,41 @@ def augment(images: torch.Tensor, labels: torch.Tensor, seed: int,
             noise_generator: torch.Generator | None = None):
     """The anchors' augmentations, per sample, on ``images``' device.
 
-    images (N, C, H, W) float, labels (N, H, W) int64 → same shapes. Per-sample decisions and
-    magnitudes come from a CPU generator seeded with ``seed``; the noise tensor comes from
-    ``noise_generator`` (a device generator) or, when None, from the CPU generator.
+    images (N, C, H, W) float, labels (N, H, W) int64 → new tensors of the same shapes.
+    Per-sample decisions and magnitudes come from a CPU generator seeded with ``seed``; the
+    noise comes from ``noise_generator`` (a device generator) or, when None, the CPU one.
+    Each transform runs only on the samples it picked: at p 0.15 that is a sixth of the work.
     """
     gen = torch.Generator().manual_seed(seed)
     n, device = images.shape[0], images.device
+    images, labels = images.clone(), labels.clone()
 
-    def where(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-        return torch.where(mask.to(device).view(-1, *([1] * (old.dim() - 1))), new, old)
+    def pick(p: float) -> torch.Tensor:
+        return _chance(gen, n, p).to(device)
 
-    zoom, scale = _chance(gen, n, 0.15), _uniform(gen, n, 0.7, 1.0)
+    zoom, scale = pick(0.15), _uniform(gen, n, 0.7, 1.0)
     if zoom.any():
-        zoomed_images, zoomed_labels = _zoom(images, labels, torch.where(zoom, scale, 1.0))
-        images, labels = where(zoom, zoomed_images, images), where(zoom, zoomed_labels, labels)
-    for dim, flip in ((-1, _chance(gen, n, 0.33)), (-2, _chance(gen, n, 0.33))):
-        images = where(flip, images.flip(dim), images)
-        labels = where(flip, labels.flip(dim), labels)
-    noisy, std = _chance(gen, n, 0.15), _uniform(gen, n, 0.0, 0.33)
+        images[zoom], labels[zoom] = _zoom(images[zoom], labels[zoom], scale[zoom.cpu()])
+    for dim in (-1, -2):
+        flip = pick(0.33)
+        images[flip], labels[flip] = images[flip].flip(dim), labels[flip].flip(dim)
+    noisy, std = pick(0.15), _uniform(gen, n, 0.0, 0.33)
     if noisy.any():
-        if noise_generator is None:
-            noise = torch.randn(images.shape, generator=gen).to(device)
-        else:
-            noise = torch.randn(images.shape, generator=noise_generator, device=device)
-        images = images + noise * (std * noisy).to(device, images.dtype).view(-1, 1, 1, 1)
-    blurred, sigma = _chance(gen, n, 0.15), _uniform(gen, n, 0.5, 1.5)
+        shape = (int(noisy.sum()),) + tuple(images.shape[1:])
+        noise = torch.randn(shape, generator=gen).to(device) if noise_generator is None else \
+            torch.randn(shape, generator=noise_generator, device=device)
+        images[noisy] += noise * std[noisy.cpu()].to(device, images.dtype).view(-1, 1, 1, 1)
+    blurred, sigma = pick(0.15), _uniform(gen, n, 0.5, 1.5)
     if blurred.any():
-        images = where(blurred, _gaussian_blur(images, sigma), images)
-    bright, factor = _chance(gen, n, 0.15), _uniform(gen, n, 0.7, 1.3)
-    images = images * torch.where(bright, factor, 1.0).to(device, images.dtype).view(-1, 1, 1, 1)
-    contrast, factor = _chance(gen, n, 0.15), _uniform(gen, n, 0.65, 1.5)
+        images[blurred] = _gaussian_blur(images[blurred], sigma[blurred.cpu()])
+    bright, factor = pick(0.15), _uniform(gen, n, 0.7, 1.3)
+    if bright.any():
+        images[bright] *= factor[bright.cpu()].to(device, images.dtype).view(-1, 1, 1, 1)
+    contrast, factor = pick(0.15), _uniform(gen, n, 0.65, 1.5)
     if contrast.any():
-        low = images.amin(dim=(1, 2, 3), keepdim=True)
-        high = images.amax(dim=(1, 2, 3), keepdim=True)
-        scaled = torch.clamp(images * factor.to(device, images.dtype).view(-1, 1, 1, 1),
-                             low, high)
-        images = where(contrast, scaled, images)
+        chosen = images[contrast]
+        low = chosen.amin(dim=(1, 2, 3), keepdim=True)
+        high = chosen.amax(dim=(1, 2, 3), keepdim=True)
+        images[contrast] = torch.clamp(
+            chosen * factor[contrast.cpu()].to(device, images.dtype).view(-1, 1, 1, 1), low, high)
     return images, labels

@@ -37,7 +37,7 @@ import torch
 from steps import devices
 from steps.artifacts import manifest_digest, publish
 from steps.dataset import fold_names, open_cases, read_metadata
-from steps.errors import StepError, run_main
+from steps.errors import OneLineArgumentParser, StepError, run_main
 
 STEP = "train"
 MODEL_FORMAT_VERSION = 1
@@ -56,9 +56,7 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got '{text}'")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2, like every other bad input
-        raise StepError(message)
+_Parser = OneLineArgumentParser  # one line, exit 2, like every other bad input
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -258,7 +258,7 @@ def test_gaudi_environment():
         assert variable in env
 
 
-def test_cpu_image_is_multistage_with_jemalloc():
+def test_cpu_image_is_multistage_with_optional_jemalloc():
     parsed = stages(dockerfile("cpu").read_text())
     assert len(parsed) >= 2
     build, runtime = parsed[0], parsed[-1]
@@ -274,7 +274,8 @@ def test_cpu_image_is_multistage_with_jemalloc():
         assert tool not in runtime_runs
     link = re.search(r"ln -s .* (/[\w/.-]*libjemalloc\.so\.2)\b", runtime_runs)
     assert link, "libjemalloc is not linked to a fixed path"
-    assert f"LD_PRELOAD={link.group(1)}" in " ".join(runtime.all("ENV"))
+    # measured slower than glibc malloc on the development machines, so opt-in only
+    assert "LD_PRELOAD" not in " ".join(runtime.all("ENV"))
 
 
 def image_extras(kind: str) -> list[str]:

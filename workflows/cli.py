@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from steps.errors import StepError, run_main
+from steps.errors import OneLineArgumentParser, StepError, run_main
 from workflows.config import DEFAULT_CONFIG, Config, load_config
 from workflows.unet import GOLDEN, build, render
 
@@ -31,8 +31,8 @@ def _common() -> argparse.ArgumentParser:
 
 def parser() -> argparse.ArgumentParser:
     common = _common()
-    top = argparse.ArgumentParser(prog="python workflows/unet.py",
-                                  description="Brain-tumour U-Net pipeline on Argo Workflows.")
+    top = OneLineArgumentParser(prog="python workflows/unet.py",
+                                description="Brain-tumour U-Net pipeline on Argo Workflows.")
     sub = top.add_subparsers(dest="command", required=True)
     r = sub.add_parser("render", parents=[common], help="print the compiled YAML")
     r.add_argument("--kind", choices=("workflow", "template"), default="workflow")

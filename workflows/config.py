@@ -116,6 +116,7 @@ class Train(_Strict):
     deep_supervision: bool = True
     norm: Literal["instance", "batch", "group"] = "instance"
     base_filters: int = Field(32, ge=1)
+    levels: int = Field(6, ge=4, le=8)
     seed: int = Field(1, ge=0)
     num_workers: int = Field(8, ge=0)
     fold: int = Field(0, ge=0, le=4)

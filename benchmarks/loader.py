@@ -1,0 +1,127 @@
+"""2. Loader, one core: our batch sampler + full augmentation vs a MONAI-transform pipeline.
+
+Baseline: per slice, a random slice of a random case from the anchors' float32 layout,
+``SpatialPadd`` + ``RandCropByPosNegLabeld`` (pos 0.33, neg 0.67), then MONAI's
+``RandZoomd`` (p 0.15, zoom in 1–1/0.7), ``RandFlipd`` on each axis (p 0.33),
+``RandGaussianNoised`` (p 0.15, std up to 0.33), ``RandGaussianSmoothd`` (p 0.15, σ 0.5–1.5),
+``RandScaleIntensityd`` (p 0.15, ×0.7–1.3), and the DALI-style contrast (p 0.15, ×0.65–1.5
+clamped to the slice's range) as a small MONAI ``RandomizableTransform``; slices are stacked
+into a batch.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+
+from benchmarks.common import Row, Settings, dataset_dir, in_child
+
+
+def _contrast_transform():
+    from monai.transforms import MapTransform, RandomizableTransform
+
+    class RandContrastClampd(RandomizableTransform, MapTransform):
+        def __init__(self, keys, prob: float, low: float, high: float):
+            MapTransform.__init__(self, keys)
+            RandomizableTransform.__init__(self, prob)
+            self.low, self.high, self.factor = low, high, 1.0
+
+        def randomize(self, data=None):
+            super().randomize(None)
+            self.factor = self.R.uniform(self.low, self.high)
+
+        def __call__(self, data):
+            self.randomize()
+            if not self._do_transform:
+                return data
+            d = dict(data)
+            for key in self.keys:
+                x = d[key]
+                d[key] = (x * self.factor).clamp(x.min(), x.max())
+            return d
+
+    return RandContrastClampd
+
+
+def monai_pipeline(patch: tuple[int, int], seed: int):
+    from monai.transforms import (Compose, RandCropByPosNegLabeld, RandFlipd,
+                                  RandGaussianNoised, RandGaussianSmoothd, RandScaleIntensityd,
+                                  RandZoomd, SpatialPadd)
+    keys = ["image", "label"]
+    pipeline = Compose([
+        SpatialPadd(keys, spatial_size=patch),
+        RandCropByPosNegLabeld(keys, label_key="label", spatial_size=patch, pos=0.33,
+                               neg=0.67, num_samples=1),
+        RandZoomd(keys, prob=0.15, min_zoom=1.0, max_zoom=1 / 0.7, mode=("bilinear", "nearest")),
+        RandFlipd(keys, prob=0.33, spatial_axis=0),
+        RandFlipd(keys, prob=0.33, spatial_axis=1),
+        RandGaussianNoised(["image"], prob=0.15, mean=0.0, std=0.33),
+        RandGaussianSmoothd(["image"], prob=0.15, sigma_x=(0.5, 1.5), sigma_y=(0.5, 1.5)),
+        RandScaleIntensityd(["image"], prob=0.15, factors=0.3),
+        _contrast_transform()(["image"], prob=0.15, low=0.65, high=1.5),
+    ])
+    pipeline.set_random_state(seed)
+    return pipeline
+
+
+def run_monai(dataset, patch, batch: int, batches: int) -> float:
+    """Slices per second of the MONAI pipeline (after one warm-up batch)."""
+    import torch
+    from steps.dataset import open_cases, read_metadata
+
+    warnings.filterwarnings("ignore")
+    cases = open_cases(dataset, read_metadata(dataset, check_hashes=False))
+    pipeline = monai_pipeline(patch, 0)
+    rng = np.random.default_rng(0)
+
+    def one_batch():
+        images, labels = [], []
+        for _ in range(batch):
+            case = cases[int(rng.integers(len(cases)))]
+            z = int(rng.integers(case.label.shape[0]))
+            item = {"image": np.asarray(case.image[:, z], dtype=np.float32),
+                    "label": np.asarray(case.label[z])[np.newaxis]}
+            out = pipeline(item)[0]
+            images.append(torch.as_tensor(out["image"]))
+            labels.append(torch.as_tensor(out["label"]))
+        return torch.stack(images), torch.stack(labels)
+
+    one_batch()
+    start = time.perf_counter()
+    for _ in range(batches):
+        one_batch()
+    return batches * batch / (time.perf_counter() - start)
+
+
+def run_ours(dataset, patch, batch: int, batches: int) -> float:
+    from steps.dataset import open_cases, read_metadata
+    from steps.sampler import SliceSampler, augment, torch_seed
+
+    cases = open_cases(dataset, read_metadata(dataset, check_hashes=False))
+    sampler = SliceSampler(cases, patch, batch, seed=0)
+
+    def one_batch(step: int):
+        images, labels = sampler(step)
+        return augment(images, labels, torch_seed(0, step, 0))
+
+    one_batch(0)
+    start = time.perf_counter()
+    for step in range(1, batches + 1):
+        one_batch(step)
+    return batches * batch / (time.perf_counter() - start)
+
+
+def run(settings: Settings) -> dict:
+    ours_ds, anchor_ds = dataset_dir(settings, "default"), dataset_dir(settings, "anchor")
+    args = (settings.patch, settings.batch, settings.loader_batches)
+    baseline, _ = in_child(run_monai, anchor_ds, *args, threads=1)
+    ours, _ = in_child(run_ours, ours_ds, *args, threads=1)
+    return {"rows": [Row("loader", "slices/s per core (sample + full augmentation)", "slice/s",
+                         ours, baseline, "MONAI transform pipeline", ">= 10")],
+            "details": {"batch": settings.batch, "batches": settings.loader_batches,
+                        "patch": list(settings.patch), "threads": 1,
+                        "ours_reads": "default-mode float16 dataset (whole in-plane extent)",
+                        "baseline_reads": "anchor-mode float32 dataset (192x160)",
+                        "device_side": "ours runs the same augmentation on the training "
+                                       "device (GPU/HPU) in steps.train; no GPU here"}}

@@ -1,0 +1,161 @@
+"""1. Preprocess, one core: ours (steps.preprocess.process_case) vs the anchors' algorithm.
+
+The baseline is the anchors' task-01 dim-2 preprocessing written again here: nibabel load as
+float32, transpose to (C, D, H, W), MONAI ``CropForegroundd(source_key="image")``,
+``NormalizeIntensity(nonzero=False, channel_wise=True)``, pad H, W to at least the patch
+(floor before, ceil after), centre-crop to it, ``np.save`` float32 image and uint8 label.
+"""
+from __future__ import annotations
+
+import gzip
+import shutil
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import Row, Settings, case_files, in_child, raw_task
+
+
+# ---------------------------------------------------------------------------- baseline
+
+def _pad_crop(array: np.ndarray, patch: tuple[int, int]) -> np.ndarray:
+    """The anchors' in-plane window of (C, D, H, W): zero pad to >= patch, centre crop."""
+    pads = [(0, 0), (0, 0)]
+    for size, want in zip(array.shape[2:], patch):
+        extra = max(want - size, 0)
+        pads.append((extra // 2, extra - extra // 2))
+    array = np.pad(array, pads)
+    h, w = array.shape[2:]
+    top, left = (h - patch[0]) // 2, (w - patch[1]) // 2
+    return array[:, :, top:top + patch[0], left:left + patch[1]]
+
+
+def anchor_case(image_path: Path, label_path: Path, out_dir: Path, name: str,
+                patch: tuple[int, int]) -> None:
+    import nibabel as nib
+    from monai.transforms import CropForegroundd, NormalizeIntensity
+
+    image = nib.load(str(image_path)).get_fdata(dtype=np.float32)       # (x, y, z, C)
+    label = np.asarray(nib.load(str(label_path)).dataobj).astype(np.uint8)
+    data = {"image": np.transpose(image, (3, 2, 1, 0)),
+            "label": np.transpose(label, (2, 1, 0))[np.newaxis]}
+    data = CropForegroundd(keys=["image", "label"], source_key="image",
+                           allow_smaller=True)(data)
+    image = NormalizeIntensity(nonzero=False, channel_wise=True)(data["image"])
+    image = _pad_crop(np.asarray(image, dtype=np.float32), patch)
+    label = _pad_crop(np.asarray(data["label"], dtype=np.uint8), patch)
+    np.save(out_dir / f"{name}_x.npy", image.astype(np.float32))
+    np.save(out_dir / f"{name}_y.npy", label.astype(np.uint8))
+
+
+def run_anchor(cases: list, out_dir: Path, patch: tuple[int, int]) -> list[float]:
+    import monai.transforms  # noqa: F401  (imports are not part of a case's time)
+    seconds = []
+    for name, image, label in cases:
+        start = time.perf_counter()
+        anchor_case(image, label, out_dir, name, patch)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+# ---------------------------------------------------------------------------- ours
+
+def run_ours(cases: list, out_dir: Path, patch: tuple[int, int], mode: str) -> list[float]:
+    from steps.preprocess import Job, process_case
+
+    seconds = []
+    for name, image, label in cases:
+        job = Job(name=name, image=str(image), label=str(label), n_channels=4,
+                  labels=(0, 1, 2, 3), mode=mode, patch=patch,
+                  image_dtype="float32" if mode == "anchor" else "float16",
+                  out_dir=str(out_dir))
+        start = time.perf_counter()
+        process_case(job)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def inflate(cases: list, backend: str) -> float:
+    """Seconds per case to gunzip image and label only (the floor)."""
+    if backend == "isal":
+        from isal import igzip
+        decompress = igzip.decompress
+    else:
+        decompress = gzip.decompress
+    total = 0.0
+    for _name, image, label in cases:
+        for path in (image, label):
+            raw = Path(path).read_bytes()
+            start = time.perf_counter()
+            decompress(raw)
+            total += time.perf_counter() - start
+    return total / len(cases)
+
+
+def _max_diff(ours: Path, anchor: Path, cases: list) -> tuple[float, bool]:
+    worst, labels_equal = 0.0, True
+    for name, *_ in cases:
+        a = np.load(ours / f"{name}_image.npy")
+        b = np.load(anchor / f"{name}_x.npy")
+        if a.shape != b.shape:
+            return float("inf"), False
+        worst = max(worst, float(np.max(np.abs(a - b))))
+        labels_equal &= bool(np.array_equal(np.load(ours / f"{name}_label.npy"),
+                                            np.load(anchor / f"{name}_y.npy")[0]))
+    return worst, labels_equal
+
+
+def _bytes(directory: Path, n: int) -> float:
+    return sum(p.stat().st_size for p in directory.iterdir()) / n
+
+
+def run(settings: Settings) -> dict:
+    raw = raw_task(settings, settings.cases)
+    cases = case_files(raw)
+    n = len(cases)
+    outs = {k: settings.workdir / f"pre-{k}" for k in ("ours", "ours-anchor", "anchor")}
+    for d in outs.values():
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+    # Alternate the order so drift in machine load hits both sides alike.
+    anchor_s, anchor_rss = in_child(run_anchor, cases, outs["anchor"], settings.patch, threads=1)
+    ours_s, ours_rss = in_child(run_ours, cases, outs["ours"], settings.patch, "default",
+                                threads=1)
+    ours_a_s, ours_a_rss = in_child(run_ours, cases, outs["ours-anchor"], settings.patch,
+                                    "anchor", threads=1)
+    diff, labels_equal = _max_diff(outs["ours-anchor"], outs["anchor"], cases)
+    floors = {"zlib": inflate(cases, "zlib")}
+    try:
+        floors["isal"] = inflate(cases, "isal")
+    except ImportError:
+        floors["isal"] = None
+    per_case = {"ours_default": float(np.median(ours_s)), "ours_anchor_mode": float(np.median(ours_a_s)),
+                "anchor": float(np.median(anchor_s))}
+    rows = [
+        Row("preprocess", "cases/s per core (default mode, float16)", "case/s",
+            1 / per_case["ours_default"], 1 / per_case["anchor"], "anchors' algorithm (MONAI)",
+            ">= 2"),
+        Row("preprocess", "cases/s per core (--mode anchor, float32)", "case/s",
+            1 / per_case["ours_anchor_mode"], 1 / per_case["anchor"],
+            "anchors' algorithm (MONAI)"),
+        Row("preprocess", "bytes written per case", "MB", _bytes(outs["ours"], n) / 1e6,
+            _bytes(outs["anchor"], n) / 1e6, "anchors' float32 192x160 crop"),
+        Row("preprocess", "peak RSS", "MB", ours_rss / 1e6, anchor_rss / 1e6,
+            "anchors' algorithm (MONAI)"),
+    ]
+    for d in outs.values():
+        shutil.rmtree(d, ignore_errors=True)
+    return {"rows": rows, "details": {
+        "cases": n, "shape": list(settings.shape), "patch": list(settings.patch),
+        "median_seconds_per_case": per_case,
+        "seconds_per_case_all": {"ours_default": ours_s, "ours_anchor_mode": ours_a_s,
+                                 "anchor": anchor_s},
+        "peak_rss_bytes": {"ours_default": ours_rss, "ours_anchor_mode": ours_a_rss,
+                           "anchor": anchor_rss},
+        "gzip_inflate_seconds_per_case": floors,
+        "anchor_mode_max_abs_diff_image": diff, "anchor_mode_labels_equal": labels_equal,
+        "compressed_mb_per_case": sum(p.stat().st_size for c in cases for p in c[1:]) / n / 1e6,
+        "threads": 1,
+    }}

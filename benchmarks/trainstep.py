@@ -1,0 +1,133 @@
+"""3. Train step on CPU: img/s of ours vs MONAI DynUNet + the anchors' loss in a plain loop.
+
+Ours: steps.model's network, steps.losses.DeepSupervisionLoss, steps.devices' optimizer and
+steps.train.train_step, fed by steps.sampler (sample + augment). Baseline: a DynUNet built
+here with the anchors' settings, ``DiceLoss(include_background=False, softmax=True,
+to_onehot_y=True, batch=True) + CrossEntropyLoss`` over the three deep-supervision heads
+(weights 1, 0.5, 0.25, normalised), AdamW, fed by the MONAI loader of benchmark 2.
+"End to end" includes building each batch; "compute only" repeats one prepared batch.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+
+from benchmarks.common import Row, Settings, dataset_dir, in_child
+
+NVIDIA_A100_AMP_IMG_S = 1238.68   # NVIDIA nnUNet 2D, 1x A100 80G, AMP, batch 64
+
+
+def _throughput(step, make_batch, steps: int, batch: int) -> tuple[float, float]:
+    """(end-to-end img/s, compute-only img/s) after one warm-up step."""
+    fixed = make_batch(0)
+    step(*fixed)
+    start = time.perf_counter()
+    for i in range(1, steps + 1):
+        step(*make_batch(i))
+    e2e = steps * batch / (time.perf_counter() - start)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(*fixed)
+    return e2e, steps * batch / (time.perf_counter() - start)
+
+
+def run_ours(dataset, patch, batch: int, steps: int, filters: int, levels: int):
+    import torch
+    from steps import devices
+    from steps.dataset import open_cases, read_metadata
+    from steps.losses import DeepSupervisionLoss
+    from steps.model import ModelConfig, build_model
+    from steps.sampler import SliceSampler, augment, torch_seed
+    from steps.train import train_step
+
+    info = devices.select_device("cpu", "fp32")
+    torch.use_deterministic_algorithms(True)     # as steps.train does on CPU
+    torch.manual_seed(0)
+    net = devices.prepare_model(build_model(ModelConfig(base_filters=filters, levels=levels)),
+                                info).train()
+    optimizer = devices.make_optimizer("adamw", net.parameters(), 1e-3, 1e-4, info)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    loss_fn = DeepSupervisionLoss()
+    sampler = SliceSampler(open_cases(dataset, read_metadata(dataset, check_hashes=False)),
+                           patch, batch, seed=0)
+
+    def make_batch(i: int):
+        images, labels = sampler(i)
+        return augment(images, labels, torch_seed(0, i, 0))
+
+    def step(images, labels):
+        train_step(net, loss_fn, optimizer, scheduler, scaler, info, images, labels)
+
+    return _throughput(step, make_batch, steps, batch)
+
+
+def run_baseline(dataset, patch, batch: int, steps: int, filters: int, levels: int):
+    import torch
+    from monai.losses import DiceLoss
+    from monai.networks.nets import DynUNet
+
+    from benchmarks.loader import monai_pipeline
+    from steps.dataset import open_cases, read_metadata
+
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    strides = [1] + [2] * (levels - 1)
+    net = DynUNet(2, 4, 4, kernel_size=[3] * levels, strides=strides,
+                  upsample_kernel_size=strides[1:],
+                  filters=[min(filters * 2 ** i, 512) for i in range(levels)],
+                  norm_name=("INSTANCE", {"affine": True}),
+                  act_name=("leakyrelu", {"inplace": True, "negative_slope": 0.01}),
+                  deep_supervision=True, deep_supr_num=2, res_block=False).train()
+    dice = DiceLoss(include_background=False, softmax=True, to_onehot_y=True, batch=True)
+    ce = torch.nn.CrossEntropyLoss()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=1e-4)
+    weights = [1.0, 0.5, 0.25]
+    cases = open_cases(dataset, read_metadata(dataset, check_hashes=False))
+    pipeline, rng = monai_pipeline(patch, 0), np.random.default_rng(0)
+
+    def make_batch(_i: int):
+        images, labels = [], []
+        for _ in range(batch):
+            case = cases[int(rng.integers(len(cases)))]
+            z = int(rng.integers(case.label.shape[0]))
+            out = pipeline({"image": np.asarray(case.image[:, z], dtype=np.float32),
+                            "label": np.asarray(case.label[z])[np.newaxis]})[0]
+            images.append(torch.as_tensor(out["image"]))
+            labels.append(torch.as_tensor(out["label"]))
+        return torch.stack(images).as_tensor(), torch.stack(labels).as_tensor().long()
+
+    def step(images, labels):
+        optimizer.zero_grad()
+        heads = net(images)
+        loss = sum(w * (dice(heads[:, i], labels) + ce(heads[:, i], labels[:, 0]))
+                   for i, w in enumerate(weights)) / sum(weights)
+        loss.backward()
+        optimizer.step()
+
+    return _throughput(step, make_batch, steps, batch)
+
+
+def run(settings: Settings) -> dict:
+    import os
+    threads = len(os.sched_getaffinity(0))
+    args = (settings.patch, settings.batch, settings.train_steps, settings.base_filters,
+            settings.levels)
+    (base_e2e, base_compute), _ = in_child(run_baseline, dataset_dir(settings, "anchor"), *args,
+                                           threads=threads)
+    (ours_e2e, ours_compute), _ = in_child(run_ours, dataset_dir(settings, "default"), *args,
+                                           threads=threads)
+    rows = [Row("train step", "img/s end to end (data included)", "img/s", ours_e2e, base_e2e,
+                "MONAI DynUNet + DiceLoss+CE, plain loop, MONAI loader"),
+            Row("train step", "img/s compute only", "img/s", ours_compute, base_compute,
+                "MONAI DynUNet + DiceLoss+CE, plain loop")]
+    return {"rows": rows, "details": {
+        "batch": settings.batch, "patch": list(settings.patch), "steps": settings.train_steps,
+        "threads": threads, "precision": "fp32", "allocator": "glibc (no LD_PRELOAD)",
+        "network": {"base_filters": settings.base_filters, "levels": settings.levels},
+        "gpu_reference": {"nvidia_published_img_s": NVIDIA_A100_AMP_IMG_S,
+                          "card": "1x A100 80G, AMP, batch 64",
+                          "measured_here": None, "why": "no GPU on this machine"},
+    }}

@@ -1,0 +1,69 @@
+"""The benchmarks still execute (``--smoke``: tiny shapes). Speed is never asserted here."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.common import Row
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["preprocess", "loader", "train", "handoff", "onnx", "growth"]
+
+
+def _smoke(names: list[str], tmp_path: Path) -> dict:
+    out = tmp_path / "smoke.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", *names, "--smoke", "--out",
+                           str(out), "--workdir", str(tmp_path / "work")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _check_rows(report: dict, names: list[str]) -> None:
+    assert set(report["benchmarks"]) == set(names)
+    for name in names:
+        rows = report["benchmarks"][name]["rows"]
+        assert rows, f"{name} produced no comparison"
+        for row in rows:
+            assert math.isfinite(row["ours"]) and row["ours"] >= 0, row
+            assert math.isfinite(row["baseline"]) and row["baseline"] > 0, row
+            assert row["ratio"] == pytest.approx(row["ours"] / row["baseline"])
+
+
+def test_smoke_runs_every_fast_benchmark(tmp_path):
+    report = _smoke(FAST, tmp_path)
+    _check_rows(report, FAST)
+    machine = report["machine"]
+    assert machine["cores"] >= 1 and machine["cpu_model"]
+    assert machine["versions"]["torch"] and len(machine["load_average_end"]) == 3
+    details = report["benchmarks"]["preprocess"]["details"]
+    assert details["anchor_mode_labels_equal"]
+    assert details["anchor_mode_max_abs_diff_image"] < 1e-3   # same algorithm, float32
+
+
+def test_smoke_runs_orchestration(tmp_path):
+    report = _smoke(["orchestration"], tmp_path)
+    _check_rows(report, ["orchestration"])
+    details = report["benchmarks"]["orchestration"]["details"]
+    assert {n["task"] for n in details["nodes"]} >= {"download", "preprocess", "train",
+                                                     "convert"}
+
+
+def test_unknown_benchmark_is_refused():
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "nosuch"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "nosuch" in proc.stderr
+
+
+@pytest.mark.parametrize("ours, baseline, target, expected", [
+    (3.0, 1.0, ">= 2", "meets target"), (1.5, 1.0, ">= 2", "MISSES target"),
+    (0.4, 1.0, "<= 0.5", "meets target"), (0.6, 1.0, "<= 0.5", "MISSES target"),
+    (5.0, 1.0, "", "info")])
+def test_row_verdict(ours, baseline, target, expected):
+    row = Row("b", "m", "u", ours, baseline, "base", target)
+    assert row.ratio == pytest.approx(ours / baseline) and row.verdict == expected

@@ -1,0 +1,93 @@
+"""End to end: ``python workflows/unet.py run --local`` runs the real four-step DAG.
+
+The compiled Workflow is executed by the local runner against the real S3 server of the ``s3``
+fixture (``AWS_ENDPOINT_URL`` set, as with the docker-compose MinIO). A second run with the
+same data inputs must take download and preprocess from the memoization cache. (Killing the
+train node and resuming it on retry is in tests/faults/.)
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from steps import storage
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["-p", "train.max_epochs=1", "-p", "train.steps_per_epoch=4"]
+
+
+def run_local(tmp: Path, s3, *overrides: str) -> dict:
+    env = {**os.environ, **s3.env()}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "workflows" / "unet.py"), "run", "--local",
+         "--run-dir", str(tmp / "run"), "--output-dir", str(tmp / "outputs"), *TINY, *overrides],
+        cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert s3.secret_key not in proc.stdout + proc.stderr
+    records = sorted((tmp / "run" / "runs").glob("*/result.json"), key=os.path.getmtime)
+    return json.loads(records[-1].read_text())
+
+
+def nodes_by_task(result: dict) -> dict:
+    return {node["task"]: node for node in result["nodes"]}
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, s3):
+    tmp = tmp_path_factory.mktemp("e2e")
+    return tmp, run_local(tmp, s3)
+
+
+def test_all_four_nodes_succeed_with_artifacts_under_argo_keys(first_run, s3_env, tmp_path):
+    tmp, result = first_run
+    nodes = nodes_by_task(result)
+    assert result["phase"] == "Succeeded"
+    assert [nodes[t]["phase"] for t in ("download", "preprocess", "train", "convert")] == \
+        ["Succeeded"] * 4
+    workflow = result["workflow_name"]
+    client = storage.client()
+    for task, artifact in [("download", "raw"), ("preprocess", "dataset"),
+                           ("train", "model"), ("convert", "exported")]:
+        ref = nodes[task]["artifacts"][artifact]
+        assert ref["key"] == f"{workflow}/{nodes[task]['pod_name']}/{artifact}"
+        local = tmp_path / artifact
+        storage.download_dir(f"s3://{ref['bucket']}/{ref['key']}", local, client=client)
+        assert json.loads((local / "MANIFEST.json").read_text())["artifact"] == artifact
+
+
+def test_onnx_model_is_released_with_parity_and_runs(first_run, s3_env, tmp_path):
+    tmp, result = first_run
+    workflow = result["workflow_name"]
+    released = f"s3://{result['bucket']}/models/unet2d-brats/{workflow}"
+    keys = storage.list_keys(released)
+    assert any(key.endswith("unet2d.onnx") for key in keys), keys
+    parity = json.loads((tmp / "outputs" / "exported" / "parity.json").read_text())
+    assert parity["passed"] is True
+    assert float(nodes_by_task(result)["convert"]["parameters"]["max-abs-diff"]) <= 1e-3
+
+    import onnxruntime as ort
+    onnx_path = tmp_path / "unet2d.onnx"
+    storage.download_file(f"{released}/unet2d.onnx", onnx_path, progress=False)
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    logits = session.run(["logits"], {"image": np.zeros((2, 4, 64, 64), np.float32)})[0]
+    assert logits.shape == (2, 4, 64, 64) and np.isfinite(logits).all()
+
+
+def test_second_run_takes_data_steps_from_the_memoization_cache(first_run, s3):
+    tmp, first = first_run
+    second = run_local(tmp, s3, "-p", "train.steps_per_epoch=2")
+    before, after = nodes_by_task(first), nodes_by_task(second)
+    assert second["workflow_name"] != first["workflow_name"]
+    for task, artifact in [("download", "raw"), ("preprocess", "dataset")]:
+        assert after[task]["memoized"] is True
+        assert after[task]["artifacts"][artifact]["key"] == before[task]["artifacts"][artifact]["key"]
+    assert after["train"]["memoized"] is False and after["train"]["phase"] == "Succeeded"
+    assert after["convert"]["phase"] == "Succeeded"
