@@ -438,8 +438,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     patch = parse_patch(args.patch_size)
     require(args.raw, "raw")
-    task = read_task(find_task(args.raw))
-    kfold_split([name for name, _, _ in task["pairs"]])  # refuse too few cases before work
+    task_dir = find_task(args.raw)
+    task = read_task(task_dir)
+    try:  # refuse too few cases before any work
+        kfold_split([name for name, _, _ in task["pairs"]])
+    except StepError as exc:
+        raise StepError(f"raw artifact {task_dir / 'dataset.json'}: {exc}") from None
     # The worker count is left out: it cannot change a byte of the output.
     params = {"image_dtype": args.image_dtype, "mode": args.mode, "patch_size": args.patch_size}
     start = time.perf_counter()

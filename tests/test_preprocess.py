@@ -383,6 +383,15 @@ def test_missing_raw_manifest_is_refused(raw, tmp_path):
     assert not (tmp_path / "ds").exists() or list((tmp_path / "ds").iterdir()) == []
 
 
+def test_too_few_cases_for_five_folds_names_the_raw_dataset_json(tmp_path):
+    few = tmp_path / "few"
+    make_raw(few, small_cases(4))
+    result = run_cli("--raw", str(few), "--dataset", str(tmp_path / "ds"))
+    assert_one_line_error(result, str(few / "Task01_BrainTumour" / "dataset.json"),
+                          "at least 5 cases", "got 4")
+    assert not (tmp_path / "ds").exists() or list((tmp_path / "ds").iterdir()) == []
+
+
 def test_bad_parameters_and_help():
     result = run_cli("--help")
     assert result.returncode == 0

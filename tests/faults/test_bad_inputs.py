@@ -14,7 +14,6 @@ import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -23,7 +22,7 @@ from conftest import REPO, assert_one_error_line
 from steps import storage, synthetic
 from steps.artifacts import write_manifest
 from test_download import make_tar, member
-from test_preprocess import make_raw, small_cases
+from test_preprocess import _set as edit_case, _with, make_raw, small_cases
 
 pytestmark = pytest.mark.faults
 TASK = synthetic.TASK
@@ -70,25 +69,6 @@ def _tar_cases(tmp: Path, good_tar: Path) -> list[Case]:
     return cases
 
 
-def _edit_case(part: str, change: Callable[[np.ndarray], np.ndarray]):
-    def edit(cases: dict) -> None:
-        image, label, affine, slope = cases["BRATS_003"]
-        image, label = image.copy(), label.copy()
-        if part == "image":
-            image = change(image)
-        else:
-            label = change(label)
-        cases["BRATS_003"] = (image, label, affine, slope)
-    return edit
-
-
-def _poke(value):
-    def change(array: np.ndarray) -> np.ndarray:
-        array[5, 6, 4, ...] = value
-        return array
-    return change
-
-
 def _truncate(task: Path) -> None:
     path = task / "imagesTr" / "BRATS_003.nii.gz"
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
@@ -97,12 +77,12 @@ def _truncate(task: Path) -> None:
 def _volume_cases(tmp: Path) -> list[Case]:
     table = {
         "truncated .nii.gz": (None, _truncate, "truncated"),
-        "image/label shape mismatch": (_edit_case("label", lambda a: a[:, :, :-1]), None,
+        "image/label shape mismatch": (edit_case("label", lambda a: a[:, :, :-1]), None,
                                        "does not match"),
-        "wrong channel count": (_edit_case("image", lambda a: a[..., :3]), None, "3 channels"),
-        "NaN voxels": (_edit_case("image", _poke(np.nan)), None, "NaN"),
-        "labels outside the declared set": (_edit_case("label", _poke(5)), None, "[5]"),
-        "empty foreground": (_edit_case("image", np.zeros_like), None, "empty foreground"),
+        "wrong channel count": (edit_case("image", lambda a: a[..., :3]), None, "3 channels"),
+        "NaN voxels": (edit_case("image", lambda a: _with(a, np.nan)), None, "NaN"),
+        "labels outside the declared set": (edit_case("label", lambda a: _with(a, 5)), None, "[5]"),
+        "empty foreground": (edit_case("image", np.zeros_like), None, "empty foreground"),
     }
     cases = []
     for i, (name, (edit_cases, edit_files, needle)) in enumerate(table.items()):
