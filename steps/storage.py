@@ -7,8 +7,10 @@ Configuration follows boto3's environment conventions: ``AWS_ENDPOINT_URL_S3`` o
 - ``UNET_S3_MAX_ATTEMPTS`` (default 4): attempts per request, with botocore's standard
   exponential backoff between them; small so that an unreachable endpoint fails in seconds.
   A download stream that breaks is reopened from where it stopped as often.
-- ``UNET_S3_PART_MB`` (default 16) and ``UNET_S3_CONCURRENCY`` (default 8): multipart part
-  size and the number of parallel transfers shared by all the files of a directory.
+- ``UNET_S3_PART_MB`` (default 64) and ``UNET_S3_CONCURRENCY`` (default 4): multipart part
+  size and the number of parallel transfers shared by all the files of a directory. Measured
+  with ``python -m benchmarks handoff`` on 2 cores: 64 MiB × 4 moved a dataset artifact in
+  0.78× the time of 16 MiB × 8 (a dataset case is ~34 MB, so each file goes in one request).
 
 Every failure that the user can fix leaves as one :class:`StorageError` line that names the
 endpoint and the bucket and never the secret. Artifact directories go up with
@@ -39,6 +41,8 @@ from steps.errors import StepError
 
 MiB = 1 << 20
 DEFAULT_REGION = "us-east-1"
+DEFAULT_PART_MB = 64
+DEFAULT_CONCURRENCY = 4
 # Public buckets that hold MSD on AWS; read unsigned from AWS whatever endpoint is configured.
 PUBLIC_BUCKETS = {"msd-for-monai": "us-west-2", "msd-for-monai-eu": "eu-west-2"}
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,61}[a-z0-9]$")
@@ -80,8 +84,8 @@ def max_attempts() -> int:
 def transfer_config(part_size: int | None = None, concurrency: int | None = None,
                     threshold: int | None = None) -> TransferConfig:
     """Multipart above ``threshold`` bytes (default: the part size), parts in parallel."""
-    part = part_size or _env_int("UNET_S3_PART_MB", 16) * MiB
-    threads = concurrency or _env_int("UNET_S3_CONCURRENCY", 8)
+    part = part_size or _env_int("UNET_S3_PART_MB", DEFAULT_PART_MB) * MiB
+    threads = concurrency or _env_int("UNET_S3_CONCURRENCY", DEFAULT_CONCURRENCY)
     return TransferConfig(multipart_threshold=threshold or part, multipart_chunksize=part,
                           max_concurrency=threads, use_threads=True)
 
@@ -138,7 +142,7 @@ def client(anonymous: bool = False, endpoint_url: str | None = None,
     options = dict(
         retries={"mode": "standard", "total_max_attempts": max_attempts()},
         connect_timeout=5, read_timeout=60, tcp_keepalive=True,
-        max_pool_connections=pool or 2 * _env_int("UNET_S3_CONCURRENCY", 8) + 4,
+        max_pool_connections=pool or 2 * _env_int("UNET_S3_CONCURRENCY", DEFAULT_CONCURRENCY) + 4,
         s3={"addressing_style": "path" if endpoint else "auto"},
     )
     if endpoint is None and "ignore_configured_endpoint_urls" in Config.OPTION_DEFAULTS:

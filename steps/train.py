@@ -36,6 +36,7 @@ import torch
 
 from steps import devices
 from steps.artifacts import manifest_digest, publish
+from steps.checkpoints import best_name
 from steps.dataset import fold_names, open_cases, read_metadata
 from steps.errors import OneLineArgumentParser, StepError, run_main
 
@@ -436,7 +437,7 @@ class Trainer:
                 "scheduler_state": self.scheduler.state_dict(),
                 "scaler_state": self.scaler.state_dict(),
                 "progress": self.progress.to_dict(), "rng": rng_state(self.info),
-                "best_file": _best_name(best) if best else None,
+                "best_file": best_name(best) if best else None,
                 "train_config": train_config(self.args), "format_version": 1}
 
     def save_checkpoint(self) -> None:
@@ -524,8 +525,8 @@ class Trainer:
         return ({"dice": {c: float(d) for c, d in zip(classes, dice)},
                  "mean_dice": float(dice.mean())}, samples)
 
-    def fit(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """Epochs until max_epochs or early stopping; returns (last record, overlay samples)."""
+    def fit(self) -> list[dict[str, Any]]:
+        """Epochs until max_epochs or early stopping; returns the validation overlay samples."""
         args, p = self.args, self.progress
         samples: list[dict[str, Any]] = []
         validated = False
@@ -558,7 +559,7 @@ class Trainer:
             self.best_state = cpu_state(self.net)
             if self.store is not None and self.rank == 0:
                 from steps.checkpoints import serialize
-                self.store.write_bytes(_best_name(p.epoch), serialize(
+                self.store.write_bytes(best_name(p.epoch), serialize(
                     {"model_state": self.best_state, "epoch": p.epoch}))
         else:
             p.stale_epochs += 1
@@ -567,11 +568,6 @@ class Trainer:
         p, args = self.progress, self.args
         return (args.patience > 0 and p.epoch >= args.min_epochs
                 and p.stale_epochs >= args.patience)
-
-
-def _best_name(epoch: int) -> str:
-    from steps.checkpoints import best_name
-    return best_name(epoch)
 
 
 def write_model(plan: Plan, trainer: Trainer, samples: list[dict[str, Any]]) -> None:
