@@ -158,13 +158,10 @@ def publish(out_dir: Path | str, artifact: str, step: str,
             os.replace(child, out_dir / child.name)
         staging.rmdir()
         write_manifest(out_dir, artifact, step, parameters)
-    except OSError as exc:
+    except BaseException as exc:
         _empty(out_dir)
-        if not _disk_full(exc):
-            raise
-        raise StepError(f"output directory {out_dir} for '{artifact}': disk full or file size "
-                        f"limit reached ({exc.strerror or exc}); nothing was published, free "
-                        "space or give the step a larger volume") from None
-    except BaseException:
-        _empty(out_dir)
+        if isinstance(exc, OSError) and _disk_full(exc):
+            raise StepError(f"output directory {out_dir} for '{artifact}': disk full or file "
+                            f"size limit reached ({exc.strerror or exc}); nothing was "
+                            "published, free space or give the step a larger volume") from None
         raise

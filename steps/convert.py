@@ -68,13 +68,11 @@ _CHECKPOINT_KEYS = ("model_state", "model_config")
 
 # ------------------------------------------------------------------------------- CLI
 
-_Parser = OneLineArgumentParser  # one line, exit 2, like every other bad input
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m steps.convert", description=__doc__.split("\n\n")[0],
-                epilog="Segment one NIfTI case with the exported ONNX model alone: "
-                       "python -m steps.convert predict --help")
+    p = OneLineArgumentParser(prog="python -m steps.convert",
+                              description=__doc__.split("\n\n")[0],
+                              epilog="Segment one NIfTI case with the exported ONNX model "
+                                     "alone: python -m steps.convert predict --help")
     p.add_argument("--model", required=True, type=Path, metavar="DIR",
                    help="input `model` artifact directory (best.pt from steps.train)")
     p.add_argument("--dataset", required=True, type=Path, metavar="DIR",

@@ -171,14 +171,11 @@ def write_label(labels: np.ndarray, affine: np.ndarray, path: Path) -> None:
 
 # -------------------------------------------------------------------------------- CLI
 
-_Parser = OneLineArgumentParser  # one line, exit 2, like every other bad input
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m steps.convert predict",
-                description="Segment one NIfTI case (x, y, z, 4) with the exported ONNX "
-                            "model alone; writes a uint8 label NIfTI with the input's shape "
-                            "and affine.")
+    p = OneLineArgumentParser(prog="python -m steps.convert predict",
+                              description="Segment one NIfTI case (x, y, z, 4) with the "
+                                          "exported ONNX model alone; writes a uint8 label "
+                                          "NIfTI with the input's shape and affine.")
     p.add_argument("--onnx", required=True, type=Path, metavar="FILE",
                    help="the exported model (unet2d.onnx from the `exported` artifact)")
     p.add_argument("--image", required=True, type=Path, metavar="CASE.nii.gz",

@@ -142,7 +142,8 @@ def client(anonymous: bool = False, endpoint_url: str | None = None,
     options = dict(
         retries={"mode": "standard", "total_max_attempts": max_attempts()},
         connect_timeout=5, read_timeout=60, tcp_keepalive=True,
-        max_pool_connections=pool or 2 * _env_int("UNET_S3_CONCURRENCY", DEFAULT_CONCURRENCY) + 4,
+        max_pool_connections=pool or
+        2 * _env_int("UNET_S3_CONCURRENCY", DEFAULT_CONCURRENCY) + 4,
         s3={"addressing_style": "path" if endpoint else "auto"},
     )
     if endpoint is None and "ignore_configured_endpoint_urls" in Config.OPTION_DEFAULTS:

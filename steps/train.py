@@ -36,7 +36,7 @@ import torch
 
 from steps import devices
 from steps.artifacts import manifest_digest, publish
-from steps.checkpoints import best_name
+from steps.checkpoints import CheckpointStore, best_name, serialize
 from steps.dataset import fold_names, open_cases, read_metadata
 from steps.errors import OneLineArgumentParser, StepError, run_main
 
@@ -57,12 +57,10 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got '{text}'")
 
 
-_Parser = OneLineArgumentParser  # one line, exit 2, like every other bad input
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m steps.train", description=__doc__.split("\n\n")[0],
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineArgumentParser(prog="python -m steps.train",
+                              description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dataset", required=True, help="input `dataset` artifact directory")
     p.add_argument("--model", required=True, help="output `model` artifact directory (empty)")
     g = p.add_argument_group("devices")
@@ -170,8 +168,6 @@ def model_config_for(args: argparse.Namespace, meta: dict[str, Any]):
 
 def _resume_source(args: argparse.Namespace):
     """(uri, checkpoint) to start from: own latest (resume auto), else --resume-from."""
-    from steps.checkpoints import CheckpointStore
-
     if args.checkpoint_uri and args.resume == "auto":
         state = CheckpointStore(args.checkpoint_uri).load_latest()
         if state is not None:
@@ -385,7 +381,6 @@ class Trainer:
     """Holds the device, model, optimizer and checkpoint store of one process."""
 
     def __init__(self, plan: Plan, rank: int, world: int, local_rank: int):
-        from steps.checkpoints import CheckpointStore
         from steps.losses import DeepSupervisionLoss
         from steps.model import build_model
         from steps.sampler import SliceSampler
@@ -445,8 +440,6 @@ class Trainer:
             self.store.save(self._checkpoint_state(), self.progress.step)
 
     def _restore(self, state: dict[str, Any], uri: str) -> None:
-        from steps.checkpoints import CheckpointStore
-
         self.net.load_state_dict(state["model_state"])
         self.optimizer.load_state_dict(state["optimizer_state"])
         self.scheduler.load_state_dict(state["scheduler_state"])
@@ -558,7 +551,6 @@ class Trainer:
             p.best_dice, p.best_epoch, p.stale_epochs = record["mean_dice"], p.epoch, 0
             self.best_state = cpu_state(self.net)
             if self.store is not None and self.rank == 0:
-                from steps.checkpoints import serialize
                 self.store.write_bytes(best_name(p.epoch), serialize(
                     {"model_state": self.best_state, "epoch": p.epoch}))
         else:

@@ -27,6 +27,7 @@ from hera.workflows import (DAG, Artifact, Container, Parameter, S3Artifact, Tas
                             WorkflowTemplate, models as m)
 from hera.workflows.archive import NoneArchiveStrategy
 
+from steps.errors import EXIT_INPUT_ERROR
 from workflows.config import Config
 
 DATA = "/data"  # artifact paths inside a pod; the local runner remaps them
@@ -98,7 +99,7 @@ def retry(cfg: Config) -> m.RetryStrategy:
     bad input, and its one-line error should reach the user at once."""
     r = cfg.retry
     return m.RetryStrategy(limit=r.limit, retry_policy="Always",
-                           expression="asInt(lastRetry.exitCode) != 2",
+                           expression=f"asInt(lastRetry.exitCode) != {EXIT_INPUT_ERROR}",
                            backoff=m.Backoff(duration=r.backoff_duration,
                                              factor=r.backoff_factor,
                                              max_duration=r.backoff_max_duration))
