@@ -31,7 +31,7 @@ class Settings:
     patch: tuple[int, int] = (192, 160)
     cases: int = 3                    # preprocess, loader and hand-off
     growth: tuple[int, ...] = (2, 4, 8)
-    loader_batches: int = 12
+    loader_batches: int = 40
     batch: int = 16
     train_steps: int = 3
     onnx_runs: int = 4

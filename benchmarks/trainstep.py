@@ -56,7 +56,7 @@ def run_ours(dataset, patch, batch: int, steps: int, filters: int, levels: int):
 
     def make_batch(i: int):
         images, labels = sampler(i)
-        return augment(images, labels, torch_seed(0, i, 0))
+        return augment(images, labels, torch_seed(0, i, 0), inplace=True)
 
     def step(images, labels):
         train_step(net, loss_fn, optimizer, scheduler, scaler, info, images, labels)

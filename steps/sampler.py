@@ -16,6 +16,7 @@ batch is on, drawing every random number from generators seeded by the same trip
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -36,21 +37,30 @@ def torch_seed(seed: int, step: int, rank: int) -> int:
                .astype(np.uint64) @ np.array([1 << 31, 1], dtype=np.uint64))
 
 
-def pad_crop_2d(array: np.ndarray, top: int, left: int, size: tuple[int, int],
-                fill: np.ndarray | float) -> np.ndarray:
-    """Window ``[top:top+h, left:left+w]`` of the last two axes; outside cells get ``fill``.
+def pad_crop_2d(array: torch.Tensor, top: int, left: int, size: tuple[int, int],
+                fill: torch.Tensor | float, out: torch.Tensor) -> torch.Tensor:
+    """Writes window ``[top:top+h, left:left+w]`` of ``array``'s last two axes into ``out``.
 
-    ``array`` is (..., H, W); ``fill`` broadcasts against (..., 1, 1). Returns (..., h, w).
+    ``array`` is (..., H, W) and ``out`` (..., h, w), of any dtypes (the copy converts); cells of
+    the window outside ``array`` get ``fill``, which broadcasts against (..., 1, 1).
     """
     h, w = size
     height, width = array.shape[-2:]
-    out = np.empty(array.shape[:-2] + (h, w), dtype=array.dtype)
-    out[...] = fill
     y0, x0 = max(top, 0), max(left, 0)
     y1, x1 = min(top + h, height), min(left + w, width)
+    if y0 > top or x0 > left or y1 < top + h or x1 < left + w:
+        out[...] = fill
     if y1 > y0 and x1 > x0:
         out[..., y0 - top:y1 - top, x0 - left:x1 - left] = array[..., y0:y1, x0:x1]
     return out
+
+
+def _shared_tensor(array: np.ndarray) -> torch.Tensor:
+    """``array`` (a read-only memory map included) as a tensor on the same memory. Torch's
+    dtype conversion is vectorised: float16 → float32 about 10× faster than numpy's."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)     # "not writable": it is only read
+        return torch.from_numpy(array)
 
 
 def _offset(rng: np.random.Generator, extent: int, size: int, centre: int | None) -> int:
@@ -78,35 +88,42 @@ class SliceSampler:
         # Slices that contain any foreground, per case: one pass over each label volume.
         self.fg_slices = [np.flatnonzero(np.asarray(c.label).reshape(c.label.shape[0], -1)
                                          .any(axis=1)) for c in cases]
+        self.images = [_shared_tensor(c.image) for c in cases]            # (C, D, H, W) each
+        self.labels = [_shared_tensor(c.label) for c in cases]            # (D, H, W) each
 
     @property
     def n_slices(self) -> int:
         return sum(int(c.label.shape[0]) for c in self.cases)
 
-    def _slice(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    def _fill(self, rng: np.random.Generator, image_out: torch.Tensor, label_out: torch.Tensor):
+        """Draws one slice and writes its patch into image_out (C, h, w) and label_out (h, w)."""
         case_index = int(rng.integers(len(self.cases)))
-        case, fg = self.cases[case_index], self.fg_slices[case_index]
-        depth, height, width = case.label.shape
+        labels, fg = self.cases[case_index].label, self.fg_slices[case_index]
+        depth, height, width = labels.shape
         centre = None
         if fg.size and rng.random() < self.foreground_p:
             z = int(fg[rng.integers(fg.size)])
-            ys, xs = np.nonzero(case.label[z])
-            pick = int(rng.integers(ys.size))
-            centre = (int(ys[pick]), int(xs[pick]))
+            voxels = np.flatnonzero(labels[z])
+            centre = divmod(int(voxels[rng.integers(voxels.size)]), width)
         else:
             z = int(rng.integers(depth))
         top = _offset(rng, height, self.patch_size[0], None if centre is None else centre[0])
         left = _offset(rng, width, self.patch_size[1], None if centre is None else centre[1])
-        image = np.asarray(case.image[:, z], dtype=np.float32)          # (C, H, W)
-        fill = image.reshape(image.shape[0], -1).min(axis=1)[:, None, None]
-        return (pad_crop_2d(image, top, left, self.patch_size, fill),
-                pad_crop_2d(np.asarray(case.label[z]), top, left, self.patch_size, 0))
+        image = self.images[case_index][:, z]                             # (C, H, W)
+        fill = image.flatten(1).amin(dim=1)[:, None, None] if (
+            top < 0 or left < 0 or top + self.patch_size[0] > height
+            or left + self.patch_size[1] > width) else 0.0
+        pad_crop_2d(image, top, left, self.patch_size, fill, image_out)
+        pad_crop_2d(self.labels[case_index][z], top, left, self.patch_size, 0, label_out)
 
     def __call__(self, step: int, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         rng = np.random.default_rng(batch_seed(self.seed, step, rank))
-        pairs = [self._slice(rng) for _ in range(self.batch)]
-        images = torch.from_numpy(np.stack([p[0] for p in pairs]))
-        labels = torch.from_numpy(np.stack([p[1] for p in pairs]).astype(np.int64))
+        channels = self.images[0].shape[0]
+        # numpy allocations: glibc hands back the previous batch's pages, torch.empty faults anew.
+        images = torch.from_numpy(np.empty((self.batch, channels) + self.patch_size, np.float32))
+        labels = torch.from_numpy(np.empty((self.batch,) + self.patch_size, np.int64))
+        for i in range(self.batch):
+            self._fill(rng, images[i], labels[i])
         return images, labels
 
 
@@ -137,75 +154,89 @@ def _uniform(gen: torch.Generator, n: int, low: float, high: float) -> torch.Ten
 
 
 def _zoom(images: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor):
-    """Zoom in by ``1/scale`` about the centre: bilinear for images, nearest for labels."""
-    n = images.shape[0]
-    theta = torch.zeros(n, 2, 3, device=images.device)
-    theta[:, 0, 0] = scale.to(images.device)
-    theta[:, 1, 1] = scale.to(images.device)
-    grid = F.affine_grid(theta, list(images.shape), align_corners=False)
-    images = F.grid_sample(images, grid.to(images.dtype), mode="bilinear",
+    """Zoom in by ``1/scale`` (N,) about the centre: bilinear for images, nearest for labels."""
+    n, _, h, w = images.shape
+    # Pixel centres in grid_sample's [-1, 1] coordinates (align_corners=False), scaled per sample.
+    ys = (torch.arange(h, device=images.device, dtype=images.dtype) * 2 + 1) / h - 1
+    xs = (torch.arange(w, device=images.device, dtype=images.dtype) * 2 + 1) / w - 1
+    base = torch.stack(torch.broadcast_tensors(xs[None, :], ys[:, None]), dim=-1)  # (H, W, 2)
+    grid = base[None] * scale.to(images.device, images.dtype).view(n, 1, 1, 1)
+    images = F.grid_sample(images, grid, mode="bilinear", padding_mode="border",
+                           align_corners=False)
+    labels = F.grid_sample(labels[:, None].to(images.dtype), grid, mode="nearest",
                            padding_mode="border", align_corners=False)
-    labels = F.grid_sample(labels[:, None].to(images.dtype), grid.to(images.dtype),
-                           mode="nearest", padding_mode="border", align_corners=False)
     return images, labels[:, 0].round().long()
 
 
 def _gaussian_blur(images: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-    """Separable Gaussian blur with a per-sample ``sigma`` (N,); images (N, C, H, W)."""
+    """Separable Gaussian blur with a per-sample ``sigma`` (N,); images (N, C, H, W).
+
+    Each pass is a weighted sum of shifted views: on a CPU about 5× faster than a grouped conv2d.
+    """
     n, c, h, w = images.shape
     radius = math.ceil(3 * float(sigma.max()))
     offsets = torch.arange(-radius, radius + 1, dtype=images.dtype, device=images.device)
     sigma = sigma.to(images.device, images.dtype)
     kernel = torch.exp(-0.5 * (offsets[None] / sigma[:, None]) ** 2)
-    kernel = kernel / kernel.sum(dim=1, keepdim=True)                  # (N, K)
-    kernel = kernel.repeat_interleave(c, dim=0)                          # (N*C, K)
-    flat = images.reshape(1, n * c, h, w)
-    flat = F.pad(flat, (radius, radius, radius, radius), mode="reflect") \
-        if min(h, w) > radius else F.pad(flat, (radius,) * 4, mode="replicate")
-    flat = F.conv2d(flat, kernel[:, None, :, None], groups=n * c)
-    flat = F.conv2d(flat, kernel[:, None, None, :], groups=n * c)
-    return flat.reshape(n, c, h, w)
+    kernel = (kernel / kernel.sum(dim=1, keepdim=True)).view(n, 1, 1, 1, -1)   # (N,1,1,1,K)
+    mode = "reflect" if min(h, w) > radius else "replicate"
+    padded = F.pad(images, (radius,) * 4, mode=mode)                   # (N, C, H+2r, W+2r)
+    return _shifted_sum(_shifted_sum(padded, kernel, w, dim=3), kernel, h, dim=2)
+
+
+def _shifted_sum(x: torch.Tensor, kernel: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    """sum_j kernel[..., j] * x.narrow(dim, j, length): a 1D correlation along ``dim``."""
+    out = torch.zeros_like(x.narrow(dim, 0, length))
+    for j in range(kernel.shape[-1]):
+        out.addcmul_(x.narrow(dim, j, length), kernel[..., j])
+    return out
 
 
 def augment(images: torch.Tensor, labels: torch.Tensor, seed: int,
-            noise_generator: torch.Generator | None = None):
+            noise_generator: torch.Generator | None = None, inplace: bool = False):
     """The anchors' augmentations, per sample, on ``images``' device.
 
-    images (N, C, H, W) float, labels (N, H, W) int64 → new tensors of the same shapes.
-    Per-sample decisions and magnitudes come from a CPU generator seeded with ``seed``; the
-    noise comes from ``noise_generator`` (a device generator) or, when None, the CPU one.
-    Each transform runs only on the samples it picked: at p 0.15 that is a sixth of the work.
+    images (N, C, H, W) float, labels (N, H, W) int64 → tensors of the same shapes (the inputs
+    themselves when ``inplace``). Per-sample decisions and magnitudes come from a CPU generator
+    seeded with ``seed``; the noise comes from ``noise_generator`` (a device generator) or,
+    when None, the CPU one. Decisions stay on the host, so nothing waits for the device, and
+    each transform touches only the samples it picked: at p 0.15 that is a sixth of the batch.
+    Flips go first because they commute with the centred zoom and the symmetric blur.
     """
     gen = torch.Generator().manual_seed(seed)
     n, device = images.shape[0], images.device
-    images, labels = images.clone(), labels.clone()
+    if not inplace:
+        images, labels = images.clone(), labels.clone()
 
-    def pick(p: float) -> torch.Tensor:
-        return _chance(gen, n, p).to(device)
+    def picked(p: float) -> list[int]:
+        return torch.nonzero(_chance(gen, n, p)).flatten().tolist()
 
-    zoom, scale = pick(0.15), _uniform(gen, n, 0.7, 1.0)
-    if zoom.any():
-        images[zoom], labels[zoom] = _zoom(images[zoom], labels[zoom], scale[zoom.cpu()])
-    for dim in (-1, -2):
-        flip = pick(0.33)
-        images[flip], labels[flip] = images[flip].flip(dim), labels[flip].flip(dim)
-    noisy, std = pick(0.15), _uniform(gen, n, 0.0, 0.33)
-    if noisy.any():
-        shape = (int(noisy.sum()),) + tuple(images.shape[1:])
-        noise = torch.randn(shape, generator=gen).to(device) if noise_generator is None else \
-            torch.randn(shape, generator=noise_generator, device=device)
-        images[noisy] += noise * std[noisy.cpu()].to(device, images.dtype).view(-1, 1, 1, 1)
-    blurred, sigma = pick(0.15), _uniform(gen, n, 0.5, 1.5)
-    if blurred.any():
-        images[blurred] = _gaussian_blur(images[blurred], sigma[blurred.cpu()])
-    bright, factor = pick(0.15), _uniform(gen, n, 0.7, 1.3)
-    if bright.any():
-        images[bright] *= factor[bright.cpu()].to(device, images.dtype).view(-1, 1, 1, 1)
-    contrast, factor = pick(0.15), _uniform(gen, n, 0.65, 1.5)
-    if contrast.any():
-        chosen = images[contrast]
-        low = chosen.amin(dim=(1, 2, 3), keepdim=True)
-        high = chosen.amax(dim=(1, 2, 3), keepdim=True)
-        images[contrast] = torch.clamp(
-            chosen * factor[contrast.cpu()].to(device, images.dtype).view(-1, 1, 1, 1), low, high)
+    flip_w, flip_h = set(picked(0.33)), set(picked(0.33))
+    for i in sorted(flip_w | flip_h):
+        dims = [d for d, chosen in ((-1, i in flip_w), (-2, i in flip_h)) if chosen]
+        images[i], labels[i] = images[i].flip(dims), labels[i].flip(dims)
+    zoom, scale = picked(0.15), _uniform(gen, n, 0.7, 1.0)
+    if zoom:
+        rows = torch.tensor(zoom, device=device)
+        zoomed, zoomed_labels = _zoom(images.index_select(0, rows),
+                                      labels.index_select(0, rows), scale[zoom])
+        images.index_copy_(0, rows, zoomed)
+        labels.index_copy_(0, rows, zoomed_labels)
+    noisy, std = picked(0.15), _uniform(gen, n, 0.0, 0.33)
+    if noisy:
+        shape = (len(noisy),) + tuple(images.shape[1:])
+        noise = torch.empty(shape).normal_(generator=gen).to(device) if noise_generator is None \
+            else torch.empty(shape, device=device).normal_(generator=noise_generator)
+        noise *= std[noisy].to(device, images.dtype).view(-1, 1, 1, 1)
+        images.index_add_(0, torch.tensor(noisy, device=device), noise.to(images.dtype))
+    blurred, sigma = picked(0.15), _uniform(gen, n, 0.5, 1.5)
+    if blurred:
+        rows = torch.tensor(blurred, device=device)
+        images.index_copy_(0, rows, _gaussian_blur(images.index_select(0, rows), sigma[blurred]))
+    bright, factor = picked(0.15), _uniform(gen, n, 0.7, 1.3)
+    for i in bright:
+        images[i] *= float(factor[i])
+    contrast, factor = picked(0.15), _uniform(gen, n, 0.65, 1.5)
+    for i in contrast:
+        images[i] = torch.clamp(images[i] * float(factor[i]), images[i].min(), images[i].max())
     return images, labels

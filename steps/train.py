@@ -480,7 +480,7 @@ class Trainer:
             seed = torch_seed(args.seed, p.step, self.rank)
             images, labels = augment(devices.to_device(images, info),
                                      labels.to(info.device), seed,
-                                     devices.device_generator(info, seed))
+                                     devices.device_generator(info, seed), inplace=True)
             loss = train_step(self.train_forward, self.loss_fn, self.optimizer, self.scheduler,
                               self.scaler, info, images, labels)
             loss_sum += loss

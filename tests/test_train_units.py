@@ -64,8 +64,9 @@ def test_foreground_oversampling_centres_patches_on_tumour():
 
 
 def test_pad_crop_fills_outside_and_keeps_inside():
-    array = np.arange(12, dtype=np.float32).reshape(1, 3, 4)
-    out = pad_crop_2d(array, -1, 2, (5, 3), np.array([-9.0])[:, None, None])
+    array = torch.arange(12, dtype=torch.float16).reshape(1, 3, 4)
+    out = pad_crop_2d(array, -1, 2, (5, 3), torch.tensor([-9.0])[:, None, None],
+                      torch.empty(1, 5, 3))
     assert out.shape == (1, 5, 3)
     assert out[0, 0].tolist() == [-9, -9, -9]
     assert out[0, 1].tolist() == [2, 3, -9]
