@@ -35,6 +35,7 @@ along y and W along x.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,3 +123,14 @@ def open_cases(dataset_dir: Path | str, meta: dict[str, Any],
             spacing=tuple(entry["spacing"]),
         ))
     return cases
+
+
+def torch_view(array: np.ndarray):
+    """``array`` as a torch tensor on the same memory, read-only buffers (memory maps,
+    decompressed bytes) included: callers only read those. Torch's element-wise copies are
+    vectorised where numpy's are not (float32 ↔ float16 about 10× faster)."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)     # "not writable"
+        return torch.from_numpy(array)

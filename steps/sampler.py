@@ -16,13 +16,12 @@ batch is on, drawing every random number from generators seeded by the same trip
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from steps.dataset import Case
+from steps.dataset import Case, torch_view
 
 FOREGROUND_P = 0.33
 
@@ -55,14 +54,6 @@ def pad_crop_2d(array: torch.Tensor, top: int, left: int, size: tuple[int, int],
     return out
 
 
-def _shared_tensor(array: np.ndarray) -> torch.Tensor:
-    """``array`` (a read-only memory map included) as a tensor on the same memory. Torch's
-    dtype conversion is vectorised: float16 → float32 about 10× faster than numpy's."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)     # "not writable": it is only read
-        return torch.from_numpy(array)
-
-
 def _offset(rng: np.random.Generator, extent: int, size: int, centre: int | None) -> int:
     """Top-left offset of a ``size`` window over ``extent`` (centred on ``centre`` if given)."""
     if extent <= size:
@@ -88,8 +79,8 @@ class SliceSampler:
         # Slices that contain any foreground, per case: one pass over each label volume.
         self.fg_slices = [np.flatnonzero(np.asarray(c.label).reshape(c.label.shape[0], -1)
                                          .any(axis=1)) for c in cases]
-        self.images = [_shared_tensor(c.image) for c in cases]            # (C, D, H, W) each
-        self.labels = [_shared_tensor(c.label) for c in cases]            # (D, H, W) each
+        self.images = [torch_view(c.image) for c in cases]            # (C, D, H, W) each
+        self.labels = [torch_view(c.label) for c in cases]            # (D, H, W) each
 
     @property
     def n_slices(self) -> int:
