@@ -178,12 +178,18 @@ def _image_channels_last(volume: nifti.Volume, job: Job) -> np.ndarray:
     if data.shape[3] != job.n_channels:
         raise StepError(f"case {job.name}: image has {data.shape[3]} channels, dataset.json "
                         f"declares {job.n_channels} modalities")
-    if data.dtype.kind == "f":
+    if data.dtype.kind == "f" and job.mode == "anchor":
+        # Default mode needs no pass of its own: NaN and Inf are != 0, so they lie in the
+        # foreground box and turn its statistics non-finite (checked in _write_case).
         lo, hi = torch_view(data.ravel(order="K")).aminmax()  # one pass; NaN, Inf propagate
         if not (np.isfinite(float(lo)) and np.isfinite(float(hi))):
-            bad = int(np.count_nonzero(~np.isfinite(data)))
-            raise StepError(f"case {job.name}: image has {bad} NaN/Inf voxels")
+            raise _non_finite(data, job)
     return data
+
+
+def _non_finite(data: np.ndarray, job: Job) -> StepError:
+    bad = int(np.count_nonzero(~np.isfinite(data)))
+    return StepError(f"case {job.name}: image has {bad} NaN/Inf voxels")
 
 
 def _check_label_values(label: np.ndarray, job: Job) -> None:
@@ -293,8 +299,8 @@ def channel_stats(crop: np.ndarray) -> tuple[float, float]:
         squares += float(np.dot(flat, flat))
     count = crop.size
     mean = total / count
-    std = max(squares / count - mean * mean, 0.0) ** 0.5
-    return mean, (std if std > 0 else 1.0)
+    std = max(squares / count - mean * mean, 0.0) ** 0.5      # NaN stays NaN (max keeps it)
+    return mean, (1.0 if std == 0 else std)
 
 
 def zscore(values: np.ndarray, mean: float, std: float,
@@ -339,6 +345,8 @@ def _write_case(job: Job) -> dict[str, Any]:
     means, stds, error = [], [], 0.0
     for c, channel in enumerate(image):
         mean, std = channel_stats(channel)
+        if not (np.isfinite(mean) and np.isfinite(std)):
+            raise _non_finite(image, job)
         means.append(mean)
         stds.append(std)
         mean32, std32 = np.float32(mean), np.float32(std)
