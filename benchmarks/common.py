@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import datetime
 import multiprocessing
 import os
@@ -13,7 +14,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from steps import synthetic
 from steps.artifacts import write_manifest
@@ -77,39 +78,96 @@ def verdict(ratio: float, target: str) -> str:
 
 # ---------------------------------------------------------------------------- child processes
 
+def peak_rss() -> int:
+    """This process's own peak resident set, in bytes.
+
+    Linux's ``ru_maxrss`` survives ``exec``: a spawned child starts with its parent's peak at
+    fork time, so it would report the benchmark driver's memory. ``VmHWM`` belongs to the
+    process's own address space, which ``exec`` replaces.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _child_entry(fn: Callable, args: tuple, threads: int | None) -> tuple[Any, int]:
     if threads:
         import torch
         torch.set_num_threads(threads)
     result = fn(*args)
-    return result, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return result, peak_rss()
 
 
 INLINE = False   # --smoke: run in this process (fast; peak RSS is then this process's)
 
 
-def in_child(fn: Callable, *args, threads: int | None = None) -> tuple[Any, int]:
-    """Run ``fn(*args)`` in a fresh spawned process: (its result, its peak RSS in bytes)."""
+@contextlib.contextmanager
+def environ(values: dict[str, str]) -> Iterator[None]:
+    """Set ``values`` in os.environ for the ``with``, then restore what was there."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def step_env() -> dict[str, str]:
+    """What the pipeline adds to every step's environment (``resources.extra_env``), which
+    ours runs with; the baselines run as the anchors do, without it."""
+    from workflows.config import load_config
+    return dict(load_config(None, None, [], local=True).resources.extra_env)
+
+
+def in_child(fn: Callable, *args, threads: int | None = None,
+             env: dict[str, str] | None = None) -> tuple[Any, int]:
+    """Run ``fn(*args)`` in a fresh spawned process with ``env`` added to its environment:
+    (its result, its peak RSS in bytes)."""
     if INLINE:
-        return fn(*args), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return fn(*args), peak_rss()
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+    with environ(env or {}), \
+            concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
         return pool.submit(_child_entry, fn, args, threads).result()
 
 
-def run_measured(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
-    """Run a command; (wall seconds, peak RSS bytes of it and its descendants)."""
+_PEAK_MARK = "benchmark-peak-rss-bytes="
+# Runs ``python -m MODULE ARGS`` and, however it exits, prints its own peak RSS to stderr.
+_MEASURED_MAIN = f"""
+import runpy, sys
+from benchmarks.common import peak_rss
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+finally:
+    print("{_PEAK_MARK}" + str(peak_rss()), file=sys.stderr)
+"""
+
+
+def run_measured(module: str, args: list[str],
+                 env: dict[str, str] | None = None) -> tuple[float, int]:
+    """Run ``python -m module args`` with ``env`` added to this process's environment;
+    (wall seconds, its own peak RSS in bytes)."""
+    argv = [sys.executable, "-c", _MEASURED_MAIN, module, *args]
     start = time.perf_counter()
-    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(process.pid, 0)
+    process = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             cwd=Path(__file__).resolve().parents[1],
+                             env={**os.environ, **(env or {})})
     wall = time.perf_counter() - start
-    stderr = process.stderr.read().decode(errors="replace")
-    process.stderr.close()
-    process.returncode = os.waitstatus_to_exitcode(status)
+    stderr = process.stderr.decode(errors="replace")
     if process.returncode:
-        raise RuntimeError(f"{' '.join(argv)} failed ({process.returncode}): {stderr[-2000:]}")
-    return wall, usage.ru_maxrss * 1024
+        raise RuntimeError(f"python -m {module} {' '.join(args)} failed "
+                           f"({process.returncode}): {stderr[-2000:]}")
+    peaks = [line for line in stderr.splitlines() if line.startswith(_PEAK_MARK)]
+    return wall, int(peaks[-1][len(_PEAK_MARK):])
 
 
 def timed(fn: Callable, *args) -> tuple[Any, float]:
@@ -156,10 +214,9 @@ def dataset_dir(settings: Settings, mode: str = "default") -> Path:
     out = settings.workdir / f"dataset-{mode}"
     if not (out / "MANIFEST.json").is_file():
         raw = raw_task(settings, max(settings.cases, 5))
-        argv = [sys.executable, "-m", "steps.preprocess", "--raw", str(raw), "--dataset",
-                str(out), "--mode", mode, "--patch-size", "x".join(map(str, settings.patch)),
-                "--workers", "2"]
-        run_measured(argv)
+        run_measured("steps.preprocess", ["--raw", str(raw), "--dataset", str(out), "--mode", mode,
+                                          "--patch-size", "x".join(map(str, settings.patch)),
+                                          "--workers", "2"])
     return out
 
 

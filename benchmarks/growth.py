@@ -9,21 +9,22 @@ included).
 from __future__ import annotations
 
 import shutil
-import sys
 
-from benchmarks.common import Row, Settings, case_files, in_child, raw_task, run_measured
+from benchmarks.common import (Row, Settings, case_files, in_child, raw_task, run_measured,
+                               step_env)
 from benchmarks.preprocess import run_ours
 
 
 def run(settings: Settings) -> dict:
-    points = []
+    points, env = [], step_env()
     patch = "x".join(map(str, settings.patch))
     for n in settings.growth:
         cases = case_files(raw_task(settings, n))
         out = settings.workdir / f"growth-{n}"
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-        seconds, rss = in_child(run_ours, cases, out, settings.patch, "default", threads=1)
+        seconds, rss = in_child(run_ours, cases, out, settings.patch, "default", threads=1,
+                                env=env)
         points.append({"cases": n, "seconds": sum(seconds), "seconds_per_case": sum(seconds) / n,
                        "peak_rss_bytes": rss})
         shutil.rmtree(out, ignore_errors=True)
@@ -31,11 +32,11 @@ def run(settings: Settings) -> dict:
     if settings.growth[-1] >= 5:
         n = settings.growth[-1]
         out = settings.workdir / "growth-step"
-        argv = [sys.executable, "-m", "steps.preprocess", "--raw", str(raw_task(settings, n)),
-                "--dataset", str(out), "--workers", "1", "--patch-size", patch]
-        wall, rss = run_measured(argv)
+        args = ["--raw", str(raw_task(settings, n)), "--dataset", str(out), "--workers", "1",
+                "--patch-size", patch]
+        wall, rss = run_measured("steps.preprocess", args, env)
         step = {"cases": n, "wall_seconds": wall, "peak_rss_bytes": rss,
-                "command": " ".join(argv[1:])}
+                "command": " ".join(["-m", "steps.preprocess", *args])}
         shutil.rmtree(out, ignore_errors=True)
     first, last = points[0], points[-1]
     rows = [

@@ -14,16 +14,14 @@ baseline needs it too, so the comparison is not skewed by it.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import boto3
 from boto3.s3.transfer import TransferConfig
 
-from benchmarks.common import Row, Settings, dataset_dir
+from benchmarks.common import Row, Settings, dataset_dir, environ
 from steps import storage
 from steps.artifacts import list_files
 from workflows.s3server import SeaweedServer
@@ -31,20 +29,6 @@ from workflows.s3server import SeaweedServer
 MiB = 1 << 20
 BUCKET = "bench-handoff"
 GRID = [(16, 8), (16, 16), (64, 4), (64, 8)]   # (part MiB, threads) tried for "best"
-
-
-@contextmanager
-def _env(values: dict[str, str]):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def plain_client(server: SeaweedServer):
@@ -93,7 +77,7 @@ def run(settings: Settings) -> dict:
     scratch = settings.workdir / "handoff"
     shutil.rmtree(scratch, ignore_errors=True)
     results = {}
-    with SeaweedServer(scratch / "s3", buckets=[BUCKET]) as server, _env(server.env()):
+    with SeaweedServer(scratch / "s3", buckets=[BUCKET]) as server, environ(server.env()):
         s3 = plain_client(server)
 
         def fresh(name: str) -> Path:

@@ -14,7 +14,7 @@ import warnings
 
 import numpy as np
 
-from benchmarks.common import Row, Settings, dataset_dir, in_child
+from benchmarks.common import Row, Settings, dataset_dir, in_child, step_env
 
 NVIDIA_A100_AMP_IMG_S = 1238.68   # NVIDIA nnUNet 2D, 1x A100 80G, AMP, batch 64
 
@@ -117,15 +117,21 @@ def run(settings: Settings) -> dict:
             settings.levels)
     (base_e2e, base_compute), _ = in_child(run_baseline, dataset_dir(settings, "anchor"), *args,
                                            threads=threads)
+    env = step_env()
     (ours_e2e, ours_compute), _ = in_child(run_ours, dataset_dir(settings, "default"), *args,
-                                           threads=threads)
+                                           threads=threads, env=env)
+    (plain_e2e, _), _ = in_child(run_ours, dataset_dir(settings, "default"), *args,
+                                 threads=threads)
     rows = [Row("train step", "img/s end to end (data included)", "img/s", ours_e2e, base_e2e,
                 "MONAI DynUNet + DiceLoss+CE, plain loop, MONAI loader"),
             Row("train step", "img/s compute only", "img/s", ours_compute, base_compute,
-                "MONAI DynUNet + DiceLoss+CE, plain loop")]
+                "MONAI DynUNet + DiceLoss+CE, plain loop"),
+            Row("train step", "img/s end to end, ours without the pipeline's env", "img/s",
+                plain_e2e, base_e2e, "MONAI DynUNet + DiceLoss+CE, plain loop, MONAI loader")]
     return {"rows": rows, "details": {
         "batch": settings.batch, "patch": list(settings.patch), "steps": settings.train_steps,
-        "threads": threads, "precision": "fp32", "allocator": "glibc (no LD_PRELOAD)",
+        "threads": threads, "precision": "fp32", "ours_env": env,
+        "allocator": "glibc malloc (no LD_PRELOAD); ours with the pipeline's GLIBC_TUNABLES",
         "network": {"base_filters": settings.base_filters, "levels": settings.levels},
         "gpu_reference": {"nvidia_published_img_s": NVIDIA_A100_AMP_IMG_S,
                           "card": "1x A100 80G, AMP, batch 64",
