@@ -8,14 +8,17 @@ Each batch holds ``batch`` slices of shape (C, H, W) drawn from several volumes 
 picks its own training case). With probability ``foreground_p`` (the anchors' 0.33) the
 (H, W) patch is centred on a random foreground voxel of a random foreground slice; otherwise
 slice and patch offset are uniform. Cases smaller than the patch are padded (image with its
-per-channel minimum, label with background), larger ones are cropped.
+per-channel minimum, label with background), larger ones are cropped. The anchors' flips
+(p 0.33 along each in-plane axis) happen here, while the patch is copied out of the memory
+map: a flipped read costs next to nothing, and flips commute with the rest.
 
-:func:`augment` applies the anchors' augmentations with torch ops on whatever device the
-batch is on, drawing every random number from generators seeded by the same triple.
+:func:`augment` applies the anchors' other augmentations with torch ops on whatever device
+the batch is on, drawing every random number from generators seeded by the same triple.
 """
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 from steps.dataset import Case, torch_view
 
 FOREGROUND_P = 0.33
+FLIP_P = 0.33                # each of the two in-plane axes
 
 
 def batch_seed(seed: int, step: int, rank: int) -> np.random.SeedSequence:
@@ -37,8 +41,10 @@ def torch_seed(seed: int, step: int, rank: int) -> int:
 
 
 def pad_crop_2d(array: torch.Tensor, top: int, left: int, size: tuple[int, int],
-                fill: torch.Tensor | float, out: torch.Tensor) -> torch.Tensor:
-    """Writes window ``[top:top+h, left:left+w]`` of ``array``'s last two axes into ``out``.
+                fill: torch.Tensor | float, out: torch.Tensor,
+                flips: Sequence[int] = ()) -> torch.Tensor:
+    """Writes window ``[top:top+h, left:left+w]`` of ``array``'s last two axes into ``out``,
+    flipped along ``flips`` (any of -1, -2).
 
     ``array`` is (..., H, W) and ``out`` (..., h, w), of any dtypes (the copy converts); cells of
     the window outside ``array`` get ``fill``, which broadcasts against (..., 1, 1).
@@ -51,6 +57,8 @@ def pad_crop_2d(array: torch.Tensor, top: int, left: int, size: tuple[int, int],
         out[...] = fill
     if y1 > y0 and x1 > x0:
         out[..., y0 - top:y1 - top, x0 - left:x1 - left] = array[..., y0:y1, x0:x1]
+    if flips:   # flipping the copy is 3x faster than a flipped read of the memory map
+        out.copy_(out.flip(list(flips)))
     return out
 
 
@@ -100,12 +108,13 @@ class SliceSampler:
             z = int(rng.integers(depth))
         top = _offset(rng, height, self.patch_size[0], None if centre is None else centre[0])
         left = _offset(rng, width, self.patch_size[1], None if centre is None else centre[1])
+        flips = [dim for dim in (-1, -2) if rng.random() < FLIP_P]
         image = self.images[case_index][:, z]                             # (C, H, W)
         fill = image.flatten(1).amin(dim=1)[:, None, None] if (
             top < 0 or left < 0 or top + self.patch_size[0] > height
             or left + self.patch_size[1] > width) else 0.0
-        pad_crop_2d(image, top, left, self.patch_size, fill, image_out)
-        pad_crop_2d(self.labels[case_index][z], top, left, self.patch_size, 0, label_out)
+        pad_crop_2d(image, top, left, self.patch_size, fill, image_out, flips)
+        pad_crop_2d(self.labels[case_index][z], top, left, self.patch_size, 0, label_out, flips)
 
     def __call__(self, step: int, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         rng = np.random.default_rng(batch_seed(self.seed, step, rank))
@@ -185,14 +194,14 @@ def _shifted_sum(x: torch.Tensor, kernel: torch.Tensor, length: int, dim: int) -
 
 def augment(images: torch.Tensor, labels: torch.Tensor, seed: int,
             noise_generator: torch.Generator | None = None, inplace: bool = False):
-    """The anchors' augmentations, per sample, on ``images``' device.
+    """The anchors' augmentations other than the flips (see :class:`SliceSampler`): zoom,
+    noise, blur, brightness and contrast, per sample, on ``images``' device.
 
     images (N, C, H, W) float, labels (N, H, W) int64 → tensors of the same shapes (the inputs
     themselves when ``inplace``). Per-sample decisions and magnitudes come from a CPU generator
     seeded with ``seed``; the noise comes from ``noise_generator`` (a device generator) or,
     when None, the CPU one. Decisions stay on the host, so nothing waits for the device, and
     each transform touches only the samples it picked: at p 0.15 that is a sixth of the batch.
-    Flips go first because they commute with the centred zoom and the symmetric blur.
     """
     gen = torch.Generator().manual_seed(seed)
     n, device = images.shape[0], images.device
@@ -202,10 +211,6 @@ def augment(images: torch.Tensor, labels: torch.Tensor, seed: int,
     def picked(p: float) -> list[int]:
         return torch.nonzero(_chance(gen, n, p)).flatten().tolist()
 
-    flip_w, flip_h = set(picked(0.33)), set(picked(0.33))
-    for i in sorted(flip_w | flip_h):
-        dims = [d for d, chosen in ((-1, i in flip_w), (-2, i in flip_h)) if chosen]
-        images[i], labels[i] = images[i].flip(dims), labels[i].flip(dims)
     zoom, scale = picked(0.15), _uniform(gen, n, 0.7, 1.0)
     if zoom:
         rows = torch.tensor(zoom, device=device)
@@ -221,9 +226,8 @@ def augment(images: torch.Tensor, labels: torch.Tensor, seed: int,
         noise *= std[noisy].to(device, images.dtype).view(-1, 1, 1, 1)
         images.index_add_(0, torch.tensor(noisy, device=device), noise.to(images.dtype))
     blurred, sigma = picked(0.15), _uniform(gen, n, 0.5, 1.5)
-    if blurred:
-        rows = torch.tensor(blurred, device=device)
-        images.index_copy_(0, rows, _gaussian_blur(images.index_select(0, rows), sigma[blurred]))
+    for i in blurred:           # one at a time: each gets the kernel width of its own sigma
+        images[i] = _gaussian_blur(images[i:i + 1], sigma[i:i + 1])[0]
     bright, factor = picked(0.15), _uniform(gen, n, 0.7, 1.3)
     for i in bright:
         images[i] *= float(factor[i])

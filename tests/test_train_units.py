@@ -72,6 +72,16 @@ def test_pad_crop_fills_outside_and_keeps_inside():
     assert out[0, 1].tolist() == [2, 3, -9]
 
 
+def test_flipped_window_is_the_flip_of_the_window_padding_included():
+    array = torch.arange(2 * 5 * 7, dtype=torch.float16).reshape(2, 5, 7)
+    fill = torch.tensor([-1.0, -2.0])[:, None, None]
+    for top, left in ((0, 0), (-2, 3), (1, -1), (2, 4)):
+        plain = pad_crop_2d(array, top, left, (4, 6), fill, torch.empty(2, 4, 6))
+        for flips in ([-1], [-2], [-1, -2]):
+            flipped = pad_crop_2d(array, top, left, (4, 6), fill, torch.empty(2, 4, 6), flips)
+            assert torch.equal(flipped, plain.flip(flips)), (top, left, flips)
+
+
 def test_augment_is_seeded_and_keeps_labels_valid():
     x, y = SliceSampler(_cases(), (16, 32), batch=64, seed=2)(0)
     a1, b1 = augment(x, y, seed=123)
