@@ -34,11 +34,12 @@ HOST = "127.0.0.1"
 REGION = "us-east-1"
 WEED_ENV = "UNET_WEED_BIN"
 
-# Every listening port `weed server -s3` may open; debug.port only listens with -debug, but
-# it is set anyway so that nothing ever falls back to a well-known default.
+# Every listening port `weed mini` may open; debug.port only listens with -debug, and admin
+# and webdav are switched off, but all are set so nothing falls back to a well-known default.
 PORT_FLAGS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
               "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc", "s3.port.iceberg",
-              "s3.port.lance", "metricsPort", "debug.port", "iam.port")
+              "s3.port.lance", "metricsPort", "debug.port", "admin.port", "admin.port.grpc",
+              "webdav.port")
 
 
 # Volumes are sparse (no preallocation). Each bucket is a collection that grows by
@@ -161,8 +162,11 @@ class SeaweedServer:
         data = self.root / "data"
         data.mkdir(parents=True, exist_ok=True)
         ports = [f"-{flag}={port}" for flag, port in self.ports.items()]
-        return [self.weed, "server", f"-dir={data}", f"-ip={HOST}", f"-ip.bind={HOST}",
-                "-s3", f"-s3.config={self._write_identities()}", *ports,
+        # `weed mini` is master, volume, filer and S3 in one process, like `weed server -s3`,
+        # and ready to serve in ~1.5 s instead of ~4 s (measured on the development machine).
+        return [self.weed, "mini", f"-dir={data}", f"-ip={HOST}", f"-ip.bind={HOST}",
+                f"-s3.config={self._write_identities()}", *ports,
+                "-admin.ui=false", "-webdav=false",
                 "-volume.preStopSeconds=0", "-master.volumePreallocate=false",
                 "-master.volumeSizeLimitMB=1024", f"-volume.max={MAX_VOLUMES}",
                 "-master.telemetry=false", "-master.resumeState=false",
