@@ -117,7 +117,7 @@ def run(settings: Settings) -> dict:
     ]
     return {"rows": rows, "details": {"transfers": results, "best_plain_boto3": best_name,
                                       "grid_part_mib_x_threads": grid,
-                                      "server": "SeaweedFS (weed server -s3) on loopback, "
+                                      "server": "SeaweedFS (weed mini) on loopback, "
                                                 "sharing the machine's cores",
                                       "harden": "every plain boto3 client uses storage.harden",
                                       "ours_includes": "manifest-last upload, sha256 check "

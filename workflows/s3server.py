@@ -3,7 +3,7 @@
 Used by the test fixture and by ``run --local`` where there is no Docker for MinIO. The
 server binds 127.0.0.1 only, every port it opens is a free port chosen here, credentials are
 enforced (an identities file with one admin key), and :meth:`SeaweedServer.stop` kills it by
-PID after a short grace period because its orderly shutdown can take more than 15 s.
+PID because its orderly shutdown takes about 15 s.
 
     with SeaweedServer(tmp_dir, buckets=["artifacts"]) as server:
         os.environ.update(server.env())
@@ -88,7 +88,8 @@ def _die_with_parent() -> None:
 
 
 class SeaweedServer:
-    """One ``weed server -s3`` process with its own data directory, ports and credentials.
+    """One ``weed mini`` process (master, volume, filer, S3) with its own data directory, ports
+    and credentials.
 
     ``start()`` and ``stop()`` can be repeated: a restart reuses the same ports, data and
     credentials, so objects written before a stop are there after the next start.
@@ -260,11 +261,11 @@ class SeaweedServer:
         if name not in self.buckets:
             self.buckets.append(name)
 
-    def stop(self, grace: float = 0.2) -> None:
+    def stop(self, grace: float = 0.0) -> None:
         """SIGTERM, then SIGKILL after ``grace`` seconds; remove its gRPC sockets from /tmp.
 
-        weed's graceful shutdown takes about 15 s (measured) and a killed weed loses nothing
-        it has acknowledged (its writes are in the page cache), so the grace is short.
+        weed's graceful shutdown takes about 15 s (measured), and a killed weed loses nothing
+        it has acknowledged (its writes are in the page cache), so by default it is killed.
         """
         process, self.process = self.process, None
         if process is not None and process.poll() is None:
