@@ -28,7 +28,7 @@ from workflows.unet import build, render
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 BUCKET = "faults-killed-run"
-STEPS_PER_EPOCH = 6
+STEPS_PER_EPOCH = 8             # the kill window is the 6 steps inside epoch 2
 OVERRIDES = [
     "download.source=synthetic://?cases=6&shape=48x48x16&seed=5",
     "preprocess.workers=1", "preprocess.patch_size=48x48",
@@ -55,8 +55,7 @@ def _train_pids(run_dir: Path) -> list[int]:
     return pids
 
 
-def _latest_step(s3) -> int | None:
-    client = s3.client()
+def _latest_step(client) -> int | None:
     found = client.list_objects_v2(Bucket=BUCKET, Prefix="checkpoints/").get("Contents", [])
     latest = [o["Key"] for o in found if o["Key"].endswith("/latest")]
     if not latest:
@@ -66,15 +65,19 @@ def _latest_step(s3) -> int | None:
 
 
 def _kill_mid_second_epoch(s3, run_dir: Path, done: threading.Event) -> int:
-    """SIGKILL the train process once a checkpoint inside epoch 2 exists; return its step."""
+    """SIGKILL the train process once a checkpoint inside epoch 2 exists; return its step.
+
+    One client for all polls: a new boto3 client per poll made polls slower than train steps.
+    """
+    client = s3.client()
     deadline = time.monotonic() + 400
     while time.monotonic() < deadline and not done.is_set():
-        step = _latest_step(s3)
+        step = _latest_step(client)
         pids = _train_pids(run_dir)
         if step is not None and STEPS_PER_EPOCH < step < 2 * STEPS_PER_EPOCH - 1 and pids:
             for pid in pids:
                 os.kill(pid, signal.SIGKILL)
-            return step
+            return _latest_step(client)   # a checkpoint may have landed since the poll
         time.sleep(0.05)
     raise AssertionError("the train step ended (or never reached epoch 2) before the kill")
 
