@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import datetime
 import multiprocessing
 import os
@@ -14,10 +13,11 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from steps import synthetic
 from steps.artifacts import write_manifest
+from workflows.local.s3target import environ
 
 FULL_SHAPE = synthetic.FULL_SHAPE
 SMOKE_SHAPE = (48, 48, 24)
@@ -103,21 +103,6 @@ def _child_entry(fn: Callable, args: tuple, threads: int | None) -> tuple[Any, i
 
 
 INLINE = False   # --smoke: run in this process (fast; peak RSS is then this process's)
-
-
-@contextlib.contextmanager
-def environ(values: dict[str, str]) -> Iterator[None]:
-    """Set ``values`` in os.environ for the ``with``, then restore what was there."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def step_env() -> dict[str, str]:

@@ -343,6 +343,7 @@ def _write_case(job: Job) -> dict[str, Any]:
     out = np.empty(shape, dtype=job.image_dtype)
     z_buffer = np.empty(label[:, src_h, src_w].shape, dtype=np.float32)
     means, stds, error = [], [], 0.0
+    stored_all = torch_view(out)
     for c, channel in enumerate(image):
         mean, std = channel_stats(channel)
         if not (np.isfinite(mean) and np.isfinite(std)):
@@ -351,7 +352,7 @@ def _write_case(job: Job) -> dict[str, Any]:
         stds.append(std)
         mean32, std32 = np.float32(mean), np.float32(std)
         out[c] = 0.0 if job.mode == "anchor" else -mean32 / std32
-        stored = torch_view(out)[c, :, dst_h, dst_w]
+        stored = stored_all[c, :, dst_h, dst_w]
         z = torch_view(zscore(channel[:, src_h, src_w], mean, std, out=z_buffer))
         stored.copy_(z)
         if out.dtype != np.float32:

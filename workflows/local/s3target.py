@@ -107,17 +107,24 @@ def open_target(env: Mapping[str, str], bucket: str, state_dir: Path,
 
 
 @contextlib.contextmanager
-def process_env(target: S3Target) -> Iterator[None]:
-    """Point :mod:`steps.storage` in this process at ``target`` for the ``with``; restore."""
-    saved = {name: os.environ.get(name) for name in CONNECTION_VARS}
+def environ(values: Mapping[str, str | None]) -> Iterator[None]:
+    """Set ``values`` in os.environ for the ``with`` (None unsets), then restore the old ones."""
+    saved = {name: os.environ.get(name) for name in values}
     try:
-        for name in CONNECTION_VARS:
-            os.environ.pop(name, None)
-        os.environ.update(target.env())
+        _set_environ(values)
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        _set_environ(saved)
+
+
+def _set_environ(values: Mapping[str, str | None]) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def process_env(target: S3Target):
+    """Point :mod:`steps.storage` in this process at ``target`` for the ``with``; restore."""
+    return environ({**dict.fromkeys(CONNECTION_VARS), **target.env()})
