@@ -155,12 +155,6 @@ def run_measured(module: str, args: list[str],
     return wall, int(peaks[-1][len(_PEAK_MARK):])
 
 
-def timed(fn: Callable, *args) -> tuple[Any, float]:
-    start = time.perf_counter()
-    result = fn(*args)
-    return result, time.perf_counter() - start
-
-
 # ---------------------------------------------------------------------------- synthetic data
 
 def raw_task(settings: Settings, cases: int) -> Path:
