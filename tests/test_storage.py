@@ -1,6 +1,7 @@
 """steps.storage and the S3 server fixture, against a real SeaweedFS process on loopback."""
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -16,7 +17,7 @@ from botocore.exceptions import ClientError
 from steps import storage
 from steps.artifacts import MANIFEST, publish, require
 from steps.errors import StepError
-from workflows.s3server import free_ports
+from workflows.s3server import SeaweedError, free_ports
 
 MiB = 1 << 20
 
@@ -79,6 +80,13 @@ def test_server_refuses_a_wrong_secret(s3):
     assert caught.value.response["Error"]["Code"] == "SignatureDoesNotMatch"
     assert s3.client().list_objects_v2(Bucket=s3.bucket)["ResponseMetadata"][
         "HTTPStatusCode"] == 200
+
+
+def test_a_bucket_name_the_server_refuses_fails_at_once(s3):
+    start = time.monotonic()
+    with pytest.raises(SeaweedError, match="InvalidBucketName"):
+        s3.ensure_bucket("b1", timeout=30)
+    assert time.monotonic() - start < 15, "retried a refusal that waiting cannot change"
 
 
 def test_env_drives_a_subprocess(s3):
@@ -181,9 +189,18 @@ def test_directory_round_trip_multipart_and_manifest_last(s3_env, tmp_path):
     manifest_time = heads[key + "/" + MANIFEST]["LastModified"]
     assert all(h["LastModified"] <= manifest_time for h in heads.values())
 
-    dst = tmp_path / "dst"
-    fetched = storage.download_dir(uri, dst, config=config, progress=False)
+    dst, calls = tmp_path / "dst", collections.Counter()
+    client = storage.client()       # shared with later callers: the hook is removed after
+    client.meta.events.register("before-call.s3", lambda model, **_: calls.update([model.name]),
+                                unique_id="test-count-calls")
+    try:
+        fetched = storage.download_dir(uri, dst, client=client, config=config, progress=False)
+    finally:
+        client.meta.events.unregister("before-call.s3", unique_id="test-count-calls")
     assert fetched == sent
+    # Sizes and ETags come from one listing, not a HEAD per file; the ranged GETs of the
+    # multipart file carry the listed ETag.
+    assert calls["ListObjectsV2"] == 1 and calls["HeadObject"] == 0
     require(dst, "demo")
     for rel in ("a.txt", "sub/b.bin", "sub/deeper/c.json", "empty.txt", "big.bin"):
         assert (dst / rel).read_bytes() == (src / rel).read_bytes()

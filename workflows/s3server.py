@@ -24,11 +24,10 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from steps.storage import harden
+from steps.storage import harden, session_client
 
 HOST = "127.0.0.1"
 REGION = "us-east-1"
@@ -41,6 +40,10 @@ PORT_FLAGS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grp
               "s3.port.lance", "metricsPort", "debug.port", "admin.port", "admin.port.grpc",
               "webdav.port")
 
+
+# Answers to a bucket creation that waiting will not change.
+PERMANENT_BUCKET_ERRORS = ("InvalidBucketName", "AccessDenied", "InvalidAccessKeyId",
+                           "SignatureDoesNotMatch")
 
 # Volumes are sparse (no preallocation). Each bucket is a collection that grows by
 # VOLUME_GROWTH volumes (weed's default is 7), so MAX_VOLUMES / VOLUME_GROWTH buckets fit.
@@ -136,8 +139,8 @@ class SeaweedServer:
     def client(self, secret_key: str | None = None, **config):
         """A boto3 S3 client for this server (``secret_key`` overrides, for tests), with
         steps.storage's protocol fixes but none of its retries or error translation."""
-        return harden(boto3.session.Session().client(
-            "s3", endpoint_url=self.endpoint, region_name=self.region,
+        return harden(session_client(
+            endpoint_url=self.endpoint, region_name=self.region,
             aws_access_key_id=self.access_key,
             aws_secret_access_key=secret_key or self.secret_key,
             config=Config(s3={"addressing_style": "path"}, **config)))
@@ -235,7 +238,7 @@ class SeaweedServer:
                 if time.monotonic() > deadline:
                     raise SeaweedError(f"weed not ready after {timeout:.0f} s ({exc}); "
                                        f"see {self.log_path}") from None
-            time.sleep(0.1)
+            time.sleep(0.05)
 
     def ensure_bucket(self, name: str, timeout: float = 60.0) -> None:
         """Create ``name`` if needed and wait until it takes a write (volumes grow lazily)."""
@@ -254,6 +257,9 @@ class SeaweedServer:
                 client.delete_object(Bucket=name, Key=probe)
                 break
             except (BotoCoreError, ClientError) as exc:
+                code = exc.response["Error"]["Code"] if isinstance(exc, ClientError) else ""
+                if code in PERMANENT_BUCKET_ERRORS:
+                    raise SeaweedError(f"bucket {name!r}: {exc}") from None
                 if time.monotonic() > deadline:
                     raise SeaweedError(f"bucket {name!r} not writable after {timeout:.0f} s "
                                        f"({exc}); see {self.log_path}") from None

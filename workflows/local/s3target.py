@@ -98,8 +98,7 @@ def open_target(env: Mapping[str, str], bucket: str, state_dir: Path,
                             "of docker-compose.yml)") from None
     try:
         target = S3Target(server.endpoint, server.access_key, server.secret_key, region,
-                          bucket, embedded=True)
-        target.ensure_bucket()
+                          bucket, embedded=True)   # the server made the bucket as it started
         log(f"embedded S3 at {server.endpoint}")
         yield target
     finally:
