@@ -33,6 +33,7 @@ class Settings:
     cases: int = 3                    # preprocess, loader and hand-off
     growth: tuple[int, ...] = (2, 4, 8)
     loader_batches: int = 40
+    loader_rounds: int = 3            # alternating baseline/ours rounds (medians reported)
     batch: int = 16
     train_steps: int = 3
     onnx_runs: int = 4
@@ -44,7 +45,8 @@ class Settings:
         if not smoke:
             return cls(smoke=False, workdir=workdir)
         return cls(smoke=True, workdir=workdir, shape=SMOKE_SHAPE, patch=(32, 32), cases=2,
-                   growth=(1, 2), loader_batches=2, batch=4, train_steps=1, onnx_runs=1, base_filters=8, levels=4)
+                   growth=(1, 2), loader_batches=2, loader_rounds=1, batch=4, train_steps=1,
+                   onnx_runs=1, base_filters=8, levels=4)
 
 
 @dataclass

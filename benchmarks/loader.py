@@ -131,11 +131,20 @@ def run_ours(dataset, patch, batch: int, batches: int, on_device: bool = False) 
 
 def run(settings: Settings) -> dict:
     ours_ds, anchor_ds = dataset_dir(settings, "default"), dataset_dir(settings, "anchor")
-    args = (settings.patch, settings.batch, settings.loader_batches)
+    patch, batch, batches = settings.patch, settings.batch, settings.loader_batches
     env = step_env()
-    baseline, _ = in_child(run_monai, anchor_ds, *args, threads=1)
+    # Alternating rounds (baseline, ours, ...), so drift in machine speed hits both sides;
+    # the baseline's batches are split over the rounds, each round a fresh process.
+    rounds = {"baseline": [], "ours": []}
+    for _ in range(settings.loader_rounds):
+        rounds["baseline"].append(in_child(run_monai, anchor_ds, patch, batch,
+                                           max(1, batches // settings.loader_rounds),
+                                           threads=1)[0])
+        rounds["ours"].append(in_child(run_ours, ours_ds, patch, batch, batches, threads=1,
+                                       env=env)[0])
+    baseline, ours = (float(np.median(rounds[k])) for k in ("baseline", "ours"))
+    args = (patch, batch, batches)
     plain_tensors, _ = in_child(run_monai, anchor_ds, *args, False, threads=1)
-    ours, _ = in_child(run_ours, ours_ds, *args, threads=1, env=env)
     ours_plain, _ = in_child(run_ours, ours_ds, *args, threads=1)
     sampling_only, _ = in_child(run_ours, ours_ds, *args, True, threads=1, env=env)
     return {"rows": [Row("loader", "slices/s per core (sample + full augmentation)", "slice/s",
@@ -148,6 +157,7 @@ def run(settings: Settings) -> dict:
                          "slice/s", sampling_only, baseline, "MONAI transform pipeline")],
             "details": {"ours_env": env, "batch": settings.batch,
                         "batches": settings.loader_batches,
+                        "slices_per_s_by_round": rounds,
                         "patch": list(settings.patch), "threads": 1,
                         "ours_reads": "default-mode float16 dataset (whole in-plane extent)",
                         "baseline_reads": "anchor-mode float32 dataset (192x160)",

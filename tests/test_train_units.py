@@ -19,7 +19,8 @@ from steps.checkpoints import LATEST, CheckpointStore
 from steps.dataset import Case
 from steps.errors import StepError
 from steps.losses import DeepSupervisionLoss, dice_per_class
-from steps.sampler import SliceSampler, StepDataset, augment, pad_crop_2d, torch_seed
+from steps.sampler import (SliceSampler, StepDataset, _foreground_voxel, _gaussian_blur,
+                           augment, pad_crop_2d, torch_seed)
 
 REPO = Path(__file__).resolve().parents[1]
 STANDIN = Path(__file__).resolve().parent / "hpu_standin"
@@ -61,6 +62,30 @@ def test_foreground_oversampling_centres_patches_on_tumour():
     _, labels = SliceSampler(_cases(), (8, 8), batch=400, seed=1, foreground_p=0.0)(0)
     share = float((labels.flatten(1) > 0).any(1).float().mean())
     assert share < 0.3   # tumour occupies 2 of 6 slices and a small window
+
+
+@pytest.mark.parametrize("size, foreground", [(64, [3, 10, 40]),        # a draw hits
+                                               (200_000, [5, 77_777])])  # the fallback
+def test_foreground_voxel_is_uniform_over_the_foreground(size, foreground):
+    labels = np.zeros(size, np.uint8)
+    labels[foreground] = 1
+    rng = np.random.default_rng(0)
+    picks = np.array([_foreground_voxel(rng, labels) for _ in range(1500)])
+    assert set(picks.tolist()) == set(foreground)
+    counts = np.bincount(picks)[foreground]
+    assert counts.min() > 0.8 * len(picks) / len(foreground)
+
+
+def test_gaussian_blur_matches_a_conv2d_reference():
+    images = torch.randn(2, 3, 12, 9, dtype=torch.float64)
+    sigma = 1.3
+    radius = 4                                          # ceil(3 sigma)
+    taps = torch.exp(-0.5 * (torch.arange(-radius, radius + 1.0) / sigma) ** 2).double()
+    kernel = torch.outer(taps, taps) / taps.sum() ** 2
+    padded = torch.nn.functional.pad(images, (radius,) * 4, mode="reflect")
+    reference = torch.nn.functional.conv2d(padded.flatten(0, 1)[:, None],
+                                           kernel[None, None]).view_as(images)
+    assert torch.allclose(_gaussian_blur(images, sigma), reference, atol=1e-12)
 
 
 def test_pad_crop_fills_outside_and_keeps_inside():
