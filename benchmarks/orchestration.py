@@ -37,8 +37,9 @@ def _external_s3_run(config, run_dir, env) -> "RunResult":
     """The same run against an S3 that is already up (as the docker-compose MinIO is)."""
     from workflows.s3server import SeaweedServer
 
-    with SeaweedServer(run_dir.with_name(run_dir.name + "-s3"),
-                       buckets=[config.storage.bucket]) as server:
+    s3_dir = run_dir.with_name(run_dir.name + "-s3")
+    shutil.rmtree(s3_dir, ignore_errors=True)    # no memoized nodes from an earlier run
+    with SeaweedServer(s3_dir, buckets=[config.storage.bucket]) as server:
         return _local_run(config, run_dir, {**env, **server.env()})
 
 

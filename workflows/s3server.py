@@ -21,6 +21,8 @@ import subprocess
 import sys
 import sysconfig
 import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import Iterable
 
@@ -49,6 +51,7 @@ PERMANENT_BUCKET_ERRORS = ("InvalidBucketName", "AccessDenied", "InvalidAccessKe
 # VOLUME_GROWTH volumes (weed's default is 7), so MAX_VOLUMES / VOLUME_GROWTH buckets fit.
 MAX_VOLUMES = 256
 VOLUME_GROWTH = 2
+GROW_WAIT_S = 3.0       # how long a start tries to grow the buckets' volumes before S3 is asked
 
 
 class SeaweedError(RuntimeError):
@@ -224,13 +227,37 @@ class SeaweedServer:
             raise
         return self
 
+    def _grow_volumes(self, bucket: str) -> bool:
+        """Ask the master for the bucket's volumes now; True once it has them.
+
+        S3 keeps each bucket in a collection of the bucket's name, whose volumes are otherwise
+        grown by its first write (~0.3 s). Grown while the filer and S3 are still starting,
+        they cost nothing. Only on a fresh data directory: a restart has its volumes.
+        """
+        if any((self.root / "data").glob(f"{bucket}_*.dat")):
+            return True
+        url = (f"http://{HOST}:{self.ports['master.port']}/vol/grow?"
+               f"{urllib.parse.urlencode({'collection': bucket, 'count': VOLUME_GROWTH})}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
     def _wait_ready(self, timeout: float) -> None:
         client = self.client(connect_timeout=1, read_timeout=5, retries={"max_attempts": 1})
         deadline = time.monotonic() + timeout
+        growing, grow_until = list(self.buckets), time.monotonic() + GROW_WAIT_S
         while True:
             if not self.running:
                 raise SeaweedError(f"weed exited with status {self.process.returncode} "
                                    f"during start; see {self.log_path}")
+            growing = [bucket for bucket in growing if not self._grow_volumes(bucket)]
+            if growing and time.monotonic() < grow_until:
+                # S3 accepts connections before it answers: a request now would block the
+                # growth until S3 is ready, and the master is up long before.
+                time.sleep(0.02)
+                continue
             try:
                 client.list_buckets()
                 return
