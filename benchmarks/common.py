@@ -35,6 +35,8 @@ class Settings:
     loader_batches: int = 40
     loader_rounds: int = 3            # alternating baseline/ours rounds (medians reported)
     batch: int = 16
+    gpu_batch: int = 64               # the anchors' and NVIDIA's figure's batch on a GPU
+    gpu_train_steps: int = 30
     train_steps: int = 3
     onnx_runs: int = 4
     base_filters: int = 32            # the anchors' network: 32..512 over 6 levels
@@ -45,8 +47,8 @@ class Settings:
         if not smoke:
             return cls(smoke=False, workdir=workdir)
         return cls(smoke=True, workdir=workdir, shape=SMOKE_SHAPE, patch=(32, 32), cases=2,
-                   growth=(1, 2), loader_batches=2, loader_rounds=1, batch=4, train_steps=1,
-                   onnx_runs=1, base_filters=8, levels=4)
+                   growth=(1, 2), loader_batches=2, loader_rounds=1, batch=4, gpu_batch=4,
+                   train_steps=1, gpu_train_steps=1, onnx_runs=1, base_filters=8, levels=4)
 
 
 @dataclass
@@ -221,14 +223,21 @@ def _version(module: str) -> str | None:
         return None
 
 
-def _gpu() -> str | None:
+def machine_gpu() -> str | None:
+    """The CUDA cards' names, or None."""
     try:
         import torch
         if torch.cuda.is_available():
-            return ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+            return ", ".join(torch.cuda.get_device_name(i)
+                             for i in range(torch.cuda.device_count()))
     except Exception:
         pass
     return None
+
+
+def gpu_device() -> str | None:
+    """"cuda" where a CUDA GPU is usable, else None (the GPU rows are then left out)."""
+    return "cuda" if machine_gpu() else None
 
 
 def machine() -> dict[str, Any]:
@@ -244,7 +253,7 @@ def machine() -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu_model": _cpu_model(), "arch": platform.machine(),
         "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
-        "memory_gib": round(mem / 2 ** 30, 1), "gpu": _gpu(),
+        "memory_gib": round(mem / 2 ** 30, 1), "gpu": machine_gpu(),
         "python": platform.python_version(), "os": platform.platform(),
         "versions": {m: _version(m) for m in ("numpy", "torch", "monai", "nibabel",
                                               "onnx", "onnxruntime", "boto3", "isal",

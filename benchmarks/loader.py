@@ -15,7 +15,8 @@ import warnings
 
 import numpy as np
 
-from benchmarks.common import Row, Settings, dataset_dir, in_child, step_env
+from benchmarks.common import (Row, Settings, dataset_dir, gpu_device, in_child, machine_gpu,
+                               step_env)
 
 
 def _contrast_transform():
@@ -129,6 +130,52 @@ def run_ours(dataset, patch, batch: int, batches: int, on_device: bool = False) 
     return batches * batch / (time.perf_counter() - start)
 
 
+def run_on_device(dataset, patch, batch: int, batches: int, device: str) -> dict[str, float]:
+    """Slices per second with augmentation on ``device``, as steps.train runs it there:
+    ``augment_only`` re-augments one batch already on the device; ``with_host_sampling``
+    adds SliceSampler on one host core and the copy. Timed to a device synchronisation."""
+    from steps import devices
+    from steps.sampler import SliceSampler, augment, torch_seed
+
+    info = devices.select_device(device, "fp32")
+    sampler = SliceSampler(_mapped(dataset), patch, batch, seed=0)
+
+    def on_device(step: int, images, labels):
+        seed = torch_seed(0, step, 0)
+        augment(devices.to_device(images, info), labels.to(info.device), seed,
+                devices.device_generator(info, seed), inplace=True)
+
+    def rate(one_batch) -> float:
+        one_batch(0)
+        devices.synchronize(info)
+        start = time.perf_counter()
+        for step in range(1, batches + 1):
+            one_batch(step)
+        devices.synchronize(info)
+        return batches * batch / (time.perf_counter() - start)
+
+    images, labels = (t.to(info.device) for t in sampler(0))
+    return {"augment_only": rate(lambda step: on_device(step, images.clone(), labels.clone())),
+            "with_host_sampling": rate(lambda step: on_device(step, *sampler(step)))}
+
+
+def _device_rows(settings: Settings, ours_ds, baseline: float) -> tuple[list[Row], dict]:
+    """GPU rows where CUDA is available; with --smoke the same code on the CPU."""
+    device = gpu_device() or ("cpu" if settings.smoke else None)
+    if device is None:
+        return [], {"device_side": "no GPU on this machine: the device's own rate is not "
+                                   "measured"}
+    rates, _ = in_child(run_on_device, ours_ds, settings.patch, settings.gpu_batch,
+                        settings.loader_batches, device, threads=1, env=step_env())
+    name = f"{device} ({machine_gpu() or 'no GPU: --smoke proves the code path'})"
+    return ([Row("loader", f"augmentation on {name}, batch {settings.gpu_batch}", "slice/s",
+                 rates["augment_only"], baseline, "MONAI transform pipeline (one CPU core)"),
+             Row("loader", f"host sampling (one core) + augmentation on {name}", "slice/s",
+                 rates["with_host_sampling"], baseline,
+                 "MONAI transform pipeline (one CPU core)")],
+            {"device": name, "device_slices_per_s": rates})
+
+
 def run(settings: Settings) -> dict:
     ours_ds, anchor_ds = dataset_dir(settings, "default"), dataset_dir(settings, "anchor")
     patch, batch, batches = settings.patch, settings.batch, settings.loader_batches
@@ -147,6 +194,7 @@ def run(settings: Settings) -> dict:
     plain_tensors, _ = in_child(run_monai, anchor_ds, *args, False, threads=1)
     ours_plain, _ = in_child(run_ours, ours_ds, *args, threads=1)
     sampling_only, _ = in_child(run_ours, ours_ds, *args, True, threads=1, env=env)
+    device_rows, device_details = _device_rows(settings, ours_ds, baseline)
     return {"rows": [Row("loader", "slices/s per core (sample + full augmentation)", "slice/s",
                          ours, baseline, "MONAI transform pipeline", ">= 10"),
                      Row("loader", "the same, MONAI without MetaTensor tracking", "slice/s",
@@ -154,13 +202,14 @@ def run(settings: Settings) -> dict:
                      Row("loader", "ours without the pipeline's env", "slice/s",
                          ours_plain, baseline, "MONAI transform pipeline"),
                      Row("loader", "CPU side of GPU/HPU training (augmentation on the device)",
-                         "slice/s", sampling_only, baseline, "MONAI transform pipeline")],
+                         "slice/s", sampling_only, baseline, "MONAI transform pipeline"),
+                     *device_rows],
             "details": {"ours_env": env, "batch": settings.batch,
                         "batches": settings.loader_batches,
                         "slices_per_s_by_round": rounds,
                         "patch": list(settings.patch), "threads": 1,
                         "ours_reads": "default-mode float16 dataset (whole in-plane extent)",
                         "baseline_reads": "anchor-mode float32 dataset (192x160)",
-                        "device_side": "steps.train runs augment on the training device "
-                                       "(GPU/HPU) after the copy; the CPU then only samples. "
-                                       "No GPU here, so the device's own rate is not measured"}}
+                        "device_side_note": "steps.train runs augment on the training device "
+                                            "(GPU/HPU) after the copy; the CPU then only "
+                                            "samples", **device_details}}

@@ -1,4 +1,5 @@
-"""3. Train step on CPU: img/s of ours vs MONAI DynUNet + the anchors' loss in a plain loop.
+"""3. Train step: img/s of ours vs MONAI DynUNet + the anchors' loss in a plain loop, on the CPU
+(batch 16, fp32) and, where CUDA is available, on the GPU (batch 64, mixed precision).
 
 Ours: steps.model's network, steps.losses.DeepSupervisionLoss, steps.devices' optimizer and
 steps.train.train_step, fed by steps.sampler (sample + augment). Baseline: a DynUNet built
@@ -14,26 +15,47 @@ import warnings
 
 import numpy as np
 
-from benchmarks.common import Row, Settings, dataset_dir, in_child, step_env
+from benchmarks.common import (Row, Settings, dataset_dir, gpu_device, in_child, machine_gpu,
+                               step_env)
 
 NVIDIA_A100_AMP_IMG_S = 1238.68   # NVIDIA nnUNet 2D, 1x A100 80G, AMP, batch 64
+NVIDIA_CARD = "1x A100 80G, AMP, batch 64"
 
 
-def _throughput(step, make_batch, steps: int, batch: int) -> tuple[float, float]:
-    """(end-to-end img/s, compute-only img/s) after one warm-up step."""
+def _throughput(step, make_batch, steps: int, batch: int, sync=lambda: None,
+                warmup: int = 1) -> tuple[float, float]:
+    """(end-to-end img/s, compute-only img/s) after ``warmup`` steps, each timed to ``sync``
+    (a device synchronisation)."""
     fixed = make_batch(0)
-    step(*fixed)
+    for _ in range(warmup):
+        step(*fixed)
+    sync()
     start = time.perf_counter()
     for i in range(1, steps + 1):
         step(*make_batch(i))
+    sync()
     e2e = steps * batch / (time.perf_counter() - start)
     start = time.perf_counter()
     for _ in range(steps):
         step(*fixed)
+    sync()
     return e2e, steps * batch / (time.perf_counter() - start)
 
 
-def run_ours(dataset, patch, batch: int, steps: int, filters: int, levels: int):
+def _device(device: str):
+    """(steps.devices' choice for ``device``, its GradScaler) as steps.train makes them: fp32
+    on the CPU, mixed precision and cuDNN autotuning on a GPU."""
+    import torch
+    from steps import devices
+
+    info = devices.select_device(device, "fp32" if device == "cpu" else "auto")
+    if info.kind == "cuda":
+        torch.backends.cudnn.benchmark = True
+    return info, torch.amp.GradScaler("cuda", enabled=info.needs_grad_scaler())
+
+
+def run_ours(dataset, patch, batch: int, steps: int, filters: int, levels: int,
+             device: str = "cpu"):
     import torch
     from steps import devices
     from steps.dataset import open_cases, read_metadata
@@ -42,37 +64,43 @@ def run_ours(dataset, patch, batch: int, steps: int, filters: int, levels: int):
     from steps.sampler import SliceSampler, augment, torch_seed
     from steps.train import train_step
 
-    info = devices.select_device("cpu", "fp32")
-    torch.use_deterministic_algorithms(True)     # as steps.train does on CPU
+    info, scaler = _device(device)
+    if info.kind == "cpu":
+        torch.use_deterministic_algorithms(True)     # as steps.train does on CPU
     torch.manual_seed(0)
     net = devices.prepare_model(build_model(ModelConfig(base_filters=filters, levels=levels)),
                                 info).train()
     optimizer = devices.make_optimizer("adamw", net.parameters(), 1e-3, 1e-4, info)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    scaler = torch.amp.GradScaler("cuda", enabled=False)
     loss_fn = DeepSupervisionLoss()
     sampler = SliceSampler(open_cases(dataset, read_metadata(dataset, check_hashes=False)),
                            patch, batch, seed=0)
 
-    def make_batch(i: int):
+    def make_batch(i: int):         # as steps.train: sampled on the host, augmented on device
         images, labels = sampler(i)
-        return augment(images, labels, torch_seed(0, i, 0), inplace=True)
+        seed = torch_seed(0, i, 0)
+        return augment(devices.to_device(images, info), labels.to(info.device), seed,
+                       devices.device_generator(info, seed), inplace=True)
 
     def step(images, labels):
         train_step(net, loss_fn, optimizer, scheduler, scaler, info, images, labels)
 
-    return _throughput(step, make_batch, steps, batch)
+    return _throughput(step, make_batch, steps, batch, lambda: devices.synchronize(info),
+                       warmup=1 if info.kind == "cpu" else 5)
 
 
-def run_baseline(dataset, patch, batch: int, steps: int, filters: int, levels: int):
+def run_baseline(dataset, patch, batch: int, steps: int, filters: int, levels: int,
+                 device: str = "cpu"):
     import torch
     from monai.losses import DiceLoss
     from monai.networks.nets import DynUNet
 
     from benchmarks.loader import monai_pipeline
+    from steps import devices
     from steps.dataset import open_cases, read_metadata
 
     warnings.filterwarnings("ignore")
+    info, scaler = _device(device)
     torch.manual_seed(0)
     strides = [1] + [2] * (levels - 1)
     net = DynUNet(2, 4, 4, kernel_size=[3] * levels, strides=strides,
@@ -80,7 +108,7 @@ def run_baseline(dataset, patch, batch: int, steps: int, filters: int, levels: i
                   filters=[min(filters * 2 ** i, 512) for i in range(levels)],
                   norm_name=("INSTANCE", {"affine": True}),
                   act_name=("leakyrelu", {"inplace": True, "negative_slope": 0.01}),
-                  deep_supervision=True, deep_supr_num=2, res_block=False).train()
+                  deep_supervision=True, deep_supr_num=2, res_block=False).to(info.device).train()
     dice = DiceLoss(include_background=False, softmax=True, to_onehot_y=True, batch=True)
     ce = torch.nn.CrossEntropyLoss()
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=1e-4)
@@ -97,17 +125,21 @@ def run_baseline(dataset, patch, batch: int, steps: int, filters: int, levels: i
                             "label": np.asarray(case.label[z])[np.newaxis]})[0]
             images.append(torch.as_tensor(out["image"]))
             labels.append(torch.as_tensor(out["label"]))
-        return torch.stack(images).as_tensor(), torch.stack(labels).as_tensor().long()
+        return (torch.stack(images).as_tensor().to(info.device),
+                torch.stack(labels).as_tensor().long().to(info.device))
 
     def step(images, labels):
         optimizer.zero_grad()
-        heads = net(images)
+        with info.autocast():
+            heads = net(images).float()
         loss = sum(w * (dice(heads[:, i], labels) + ce(heads[:, i], labels[:, 0]))
                    for i, w in enumerate(weights)) / sum(weights)
-        loss.backward()
-        optimizer.step()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
 
-    return _throughput(step, make_batch, steps, batch)
+    return _throughput(step, make_batch, steps, batch, lambda: devices.synchronize(info),
+                       warmup=1 if info.kind == "cpu" else 5)
 
 
 def run(settings: Settings) -> dict:
@@ -122,18 +154,45 @@ def run(settings: Settings) -> dict:
                                            threads=threads, env=env)
     (plain_e2e, _), _ = in_child(run_ours, dataset_dir(settings, "default"), *args,
                                  threads=threads)
+    gpu_rows, gpu_details = _gpu_rows(settings)
     rows = [Row("train step", "img/s end to end (data included)", "img/s", ours_e2e, base_e2e,
                 "MONAI DynUNet + DiceLoss+CE, plain loop, MONAI loader"),
             Row("train step", "img/s compute only", "img/s", ours_compute, base_compute,
                 "MONAI DynUNet + DiceLoss+CE, plain loop"),
             Row("train step", "img/s end to end, ours without the pipeline's env", "img/s",
-                plain_e2e, base_e2e, "MONAI DynUNet + DiceLoss+CE, plain loop, MONAI loader")]
+                plain_e2e, base_e2e, "MONAI DynUNet + DiceLoss+CE, plain loop, MONAI loader"),
+            *gpu_rows]
     return {"rows": rows, "details": {
         "batch": settings.batch, "patch": list(settings.patch), "steps": settings.train_steps,
         "threads": threads, "precision": "fp32", "ours_env": env,
         "allocator": "glibc malloc (no LD_PRELOAD); ours with the pipeline's GLIBC_TUNABLES",
         "network": {"base_filters": settings.base_filters, "levels": settings.levels},
-        "gpu_reference": {"nvidia_published_img_s": NVIDIA_A100_AMP_IMG_S,
-                          "card": "1x A100 80G, AMP, batch 64",
-                          "measured_here": None, "why": "no GPU on this machine"},
+        **gpu_details,
     }}
+
+
+def _gpu_rows(settings: Settings) -> tuple[list[Row], dict]:
+    """Batch 64 (the anchors' and NVIDIA's) in mixed precision on the GPU, ours vs the MONAI
+    loop, and ours vs NVIDIA's published figure; with --smoke the same code on the CPU."""
+    reference = {"nvidia_published_img_s": NVIDIA_A100_AMP_IMG_S, "card": NVIDIA_CARD}
+    device = gpu_device() or ("cpu" if settings.smoke else None)
+    if device is None:
+        return [], {"gpu_reference": {**reference, "measured_here": None,
+                                      "why": "no GPU on this machine"}}
+    args = (settings.patch, settings.gpu_batch, settings.gpu_train_steps,
+            settings.base_filters, settings.levels, device)
+    (base_e2e, base_compute), _ = in_child(run_baseline, dataset_dir(settings, "anchor"), *args)
+    (ours_e2e, ours_compute), _ = in_child(run_ours, dataset_dir(settings, "default"), *args,
+                                           env=step_env())
+    card = machine_gpu() or "no GPU: --smoke proves the code path"
+    where = f"batch {settings.gpu_batch}, {device} ({card})"
+    rows = [Row("train step", f"img/s end to end, {where}", "img/s", ours_e2e, base_e2e,
+                "MONAI DynUNet + DiceLoss+CE, same device and precision, MONAI loader"),
+            Row("train step", f"img/s compute only, {where}", "img/s", ours_compute,
+                base_compute, "MONAI DynUNet + DiceLoss+CE, same device and precision")]
+    if device == "cuda":
+        rows.append(Row("train step", f"img/s end to end, {where}", "img/s", ours_e2e,
+                        NVIDIA_A100_AMP_IMG_S, f"NVIDIA's published figure ({NVIDIA_CARD})"))
+    return rows, {"gpu_reference": {**reference, "measured_here": ours_e2e, "device": card,
+                                    "batch": settings.gpu_batch,
+                                    "steps": settings.gpu_train_steps}}

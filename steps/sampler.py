@@ -190,7 +190,7 @@ def _zoom(images: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor):
                            align_corners=False)
     labels = F.grid_sample(labels[:, None].to(images.dtype), grid, mode="nearest",
                            padding_mode="border", align_corners=False)
-    return images, labels[:, 0].round().to(torch.int64)
+    return images, labels[:, 0].round().long()
 
 
 def _gaussian_blur(images: torch.Tensor, sigma: float) -> torch.Tensor:
@@ -201,8 +201,8 @@ def _gaussian_blur(images: torch.Tensor, sigma: float) -> torch.Tensor:
     """
     h, w = images.shape[-2:]
     radius = math.ceil(3 * sigma)
-    kernel = [math.exp(-0.5 * (j / sigma) ** 2) for j in range(-radius, radius + 1)]
-    kernel = [k / sum(kernel) for k in kernel]
+    weights = [math.exp(-0.5 * (j / sigma) ** 2) for j in range(-radius, radius + 1)]
+    kernel = [weight / sum(weights) for weight in weights]
     mode = "reflect" if min(h, w) > radius else "replicate"
     padded = F.pad(images, (radius,) * 4, mode=mode)                   # (N, C, H+2r, W+2r)
     return _shifted_sum(_shifted_sum(padded, kernel, w, dim=3), kernel, h, dim=2)

@@ -41,6 +41,10 @@ def test_smoke_runs_every_fast_benchmark(tmp_path):
     machine = report["machine"]
     assert machine["cores"] >= 1 and machine["cpu_model"]
     assert machine["versions"]["torch"] and len(machine["load_average_end"]) == 3
+    # The GPU rows' code (device-side augmentation, batch-64 mixed-precision training) runs
+    # on the CPU in --smoke, so it is exercised on a machine without a GPU.
+    for name, what in (("loader", "augmentation on cpu"), ("train", ", cpu (")):
+        assert any(what in row["metric"] for row in report["benchmarks"][name]["rows"]), name
     details = report["benchmarks"]["preprocess"]["details"]
     assert details["anchor_mode_labels_equal"]
     assert details["anchor_mode_max_abs_diff_image"] < 1e-3   # same algorithm, float32
