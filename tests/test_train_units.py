@@ -80,7 +80,7 @@ def test_gaussian_blur_matches_a_conv2d_reference():
     images = torch.randn(2, 3, 12, 9, dtype=torch.float64)
     sigma = 1.3
     radius = 4                                          # ceil(3 sigma)
-    taps = torch.exp(-0.5 * (torch.arange(-radius, radius + 1.0) / sigma) ** 2).double()
+    taps = torch.exp(-0.5 * (torch.arange(-radius, radius + 1, dtype=torch.float64) / sigma) ** 2)
     kernel = torch.outer(taps, taps) / taps.sum() ** 2
     padded = torch.nn.functional.pad(images, (radius,) * 4, mode="reflect")
     reference = torch.nn.functional.conv2d(padded.flatten(0, 1)[:, None],
