@@ -59,6 +59,8 @@ _SESSION_LOCK = threading.RLock()     # botocore sessions are not thread-safe
 # parses the S3 service model), and a local run asks for one per transfer.
 _CLIENTS: dict[tuple, object] = {}
 _CLIENT_CACHE_SIZE = 16
+# A forked child (a DataLoader or pool worker) must not share its parent's open connections.
+os.register_at_fork(after_in_child=_CLIENTS.clear)
 
 Progress = Callable[[int], None]
 

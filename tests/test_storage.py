@@ -154,6 +154,28 @@ def test_retry_budget_comes_from_the_environment(monkeypatch):
         storage.client()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_clients_are_reused_per_configuration_but_not_across_fork(monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-a-real-secret")
+    endpoint = "http://127.0.0.1:9"
+    first = storage.client(endpoint_url=endpoint)
+    assert storage.client(endpoint_url=endpoint) is first
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "another-secret")
+    assert storage.client(endpoint_url=endpoint) is not first
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-a-real-secret")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:    # the child must not reuse the parent's client and its open connections
+        try:
+            os.write(write, b"fresh" if storage.client(endpoint_url=endpoint) is not first
+                     else b"reuse")
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 5) == b"fresh"
+
+
 # ---- objects and directories ----------------------------------------------------------------
 def test_put_get_exists_list_delete(s3_env):
     base = _uri(s3_env)
