@@ -98,10 +98,10 @@ class SliceSampler:
         self.batch = batch
         self.seed = seed
         self.foreground_p = foreground_p
-        # Slices that contain any foreground, per case: one pass over each label volume.
-        self.fg_slices = [np.flatnonzero(np.asarray(c.label).reshape(c.label.shape[0], -1)
-                                         .any(axis=1)) for c in cases]
         self.label_arrays = [np.asarray(c.label) for c in cases]      # (D, H, W) each
+        # Slices that contain any foreground, per case: one pass over each label volume.
+        self.fg_slices = [np.flatnonzero(labels.reshape(labels.shape[0], -1).any(axis=1))
+                          for labels in self.label_arrays]
         self.images = [torch_view(c.image) for c in cases]            # (C, D, H, W) each
         self.labels = [torch_view(c.label) for c in cases]            # (D, H, W) each
 
