@@ -235,9 +235,13 @@ def machine_gpu() -> str | None:
     return None
 
 
-def gpu_device() -> str | None:
-    """"cuda" where a CUDA GPU is usable, else None (the GPU rows are then left out)."""
-    return "cuda" if machine_gpu() else None
+def gpu_rows_device(settings: Settings) -> tuple[str, str] | None:
+    """(device, label for the rows) of the GPU rows: "cuda" and the card where CUDA is
+    usable; with --smoke and no GPU the CPU, so their code still runs; otherwise None."""
+    card = machine_gpu()
+    if card:
+        return "cuda", f"cuda ({card})"
+    return ("cpu", "cpu (no GPU: --smoke proves the code path)") if settings.smoke else None
 
 
 def machine() -> dict[str, Any]:

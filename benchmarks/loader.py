@@ -15,8 +15,7 @@ import warnings
 
 import numpy as np
 
-from benchmarks.common import (Row, Settings, dataset_dir, gpu_device, in_child, machine_gpu,
-                               step_env)
+from benchmarks.common import Row, Settings, dataset_dir, gpu_rows_device, in_child, step_env
 
 
 def _contrast_transform():
@@ -161,13 +160,13 @@ def run_on_device(dataset, patch, batch: int, batches: int, device: str) -> dict
 
 def _device_rows(settings: Settings, ours_ds, baseline: float) -> tuple[list[Row], dict]:
     """GPU rows where CUDA is available; with --smoke the same code on the CPU."""
-    device = gpu_device() or ("cpu" if settings.smoke else None)
-    if device is None:
+    chosen = gpu_rows_device(settings)
+    if chosen is None:
         return [], {"device_side": "no GPU on this machine: the device's own rate is not "
                                    "measured"}
+    device, name = chosen
     rates, _ = in_child(run_on_device, ours_ds, settings.patch, settings.gpu_batch,
                         settings.loader_batches, device, threads=1, env=step_env())
-    name = f"{device} ({machine_gpu() or 'no GPU: --smoke proves the code path'})"
     return ([Row("loader", f"augmentation on {name}, batch {settings.gpu_batch}", "slice/s",
                  rates["augment_only"], baseline, "MONAI transform pipeline (one CPU core)"),
              Row("loader", f"host sampling (one core) + augmentation on {name}", "slice/s",

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import TYPE_CHECKING
 
 from benchmarks.common import Row, Settings
+
+if TYPE_CHECKING:
+    from workflows.local import RunResult
 
 SMOKE_OVERRIDES = ["download.source=synthetic://?cases=5&shape=32x32x12&seed=0",
                    "preprocess.patch_size=32x32", "preprocess.workers=1",

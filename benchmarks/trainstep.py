@@ -15,30 +15,30 @@ import warnings
 
 import numpy as np
 
-from benchmarks.common import (Row, Settings, dataset_dir, gpu_device, in_child, machine_gpu,
-                               step_env)
+from benchmarks.common import Row, Settings, dataset_dir, gpu_rows_device, in_child, step_env
 
 NVIDIA_A100_AMP_IMG_S = 1238.68   # NVIDIA nnUNet 2D, 1x A100 80G, AMP, batch 64
 NVIDIA_CARD = "1x A100 80G, AMP, batch 64"
 
 
-def _throughput(step, make_batch, steps: int, batch: int, sync=lambda: None,
-                warmup: int = 1) -> tuple[float, float]:
-    """(end-to-end img/s, compute-only img/s) after ``warmup`` steps, each timed to ``sync``
-    (a device synchronisation)."""
+def _throughput(step, make_batch, steps: int, batch: int, info) -> tuple[float, float]:
+    """(end-to-end img/s, compute-only img/s) on ``info``'s device after warm-up steps (one
+    on the CPU, five on a GPU for cuDNN's autotuning), each figure timed to a device sync."""
+    from steps import devices
+
     fixed = make_batch(0)
-    for _ in range(warmup):
+    for _ in range(1 if info.kind == "cpu" else 5):
         step(*fixed)
-    sync()
+    devices.synchronize(info)
     start = time.perf_counter()
     for i in range(1, steps + 1):
         step(*make_batch(i))
-    sync()
+    devices.synchronize(info)
     e2e = steps * batch / (time.perf_counter() - start)
     start = time.perf_counter()
     for _ in range(steps):
         step(*fixed)
-    sync()
+    devices.synchronize(info)
     return e2e, steps * batch / (time.perf_counter() - start)
 
 
@@ -85,8 +85,7 @@ def run_ours(dataset, patch, batch: int, steps: int, filters: int, levels: int,
     def step(images, labels):
         train_step(net, loss_fn, optimizer, scheduler, scaler, info, images, labels)
 
-    return _throughput(step, make_batch, steps, batch, lambda: devices.synchronize(info),
-                       warmup=1 if info.kind == "cpu" else 5)
+    return _throughput(step, make_batch, steps, batch, info)
 
 
 def run_baseline(dataset, patch, batch: int, steps: int, filters: int, levels: int,
@@ -96,7 +95,6 @@ def run_baseline(dataset, patch, batch: int, steps: int, filters: int, levels: i
     from monai.networks.nets import DynUNet
 
     from benchmarks.loader import monai_pipeline
-    from steps import devices
     from steps.dataset import open_cases, read_metadata
 
     warnings.filterwarnings("ignore")
@@ -138,8 +136,7 @@ def run_baseline(dataset, patch, batch: int, steps: int, filters: int, levels: i
         scaler.step(optimizer)
         scaler.update()
 
-    return _throughput(step, make_batch, steps, batch, lambda: devices.synchronize(info),
-                       warmup=1 if info.kind == "cpu" else 5)
+    return _throughput(step, make_batch, steps, batch, info)
 
 
 def run(settings: Settings) -> dict:
@@ -175,17 +172,17 @@ def _gpu_rows(settings: Settings) -> tuple[list[Row], dict]:
     """Batch 64 (the anchors' and NVIDIA's) in mixed precision on the GPU, ours vs the MONAI
     loop, and ours vs NVIDIA's published figure; with --smoke the same code on the CPU."""
     reference = {"nvidia_published_img_s": NVIDIA_A100_AMP_IMG_S, "card": NVIDIA_CARD}
-    device = gpu_device() or ("cpu" if settings.smoke else None)
-    if device is None:
+    chosen = gpu_rows_device(settings)
+    if chosen is None:
         return [], {"gpu_reference": {**reference, "measured_here": None,
                                       "why": "no GPU on this machine"}}
+    device, name = chosen
     args = (settings.patch, settings.gpu_batch, settings.gpu_train_steps,
             settings.base_filters, settings.levels, device)
     (base_e2e, base_compute), _ = in_child(run_baseline, dataset_dir(settings, "anchor"), *args)
     (ours_e2e, ours_compute), _ = in_child(run_ours, dataset_dir(settings, "default"), *args,
                                            env=step_env())
-    card = machine_gpu() or "no GPU: --smoke proves the code path"
-    where = f"batch {settings.gpu_batch}, {device} ({card})"
+    where = f"batch {settings.gpu_batch}, {name}"
     rows = [Row("train step", f"img/s end to end, {where}", "img/s", ours_e2e, base_e2e,
                 "MONAI DynUNet + DiceLoss+CE, same device and precision, MONAI loader"),
             Row("train step", f"img/s compute only, {where}", "img/s", ours_compute,
@@ -193,6 +190,6 @@ def _gpu_rows(settings: Settings) -> tuple[list[Row], dict]:
     if device == "cuda":
         rows.append(Row("train step", f"img/s end to end, {where}", "img/s", ours_e2e,
                         NVIDIA_A100_AMP_IMG_S, f"NVIDIA's published figure ({NVIDIA_CARD})"))
-    return rows, {"gpu_reference": {**reference, "measured_here": ours_e2e, "device": card,
+    return rows, {"gpu_reference": {**reference, "measured_here": ours_e2e, "device": name,
                                     "batch": settings.gpu_batch,
                                     "steps": settings.gpu_train_steps}}
