@@ -145,7 +145,13 @@ def publish(out_dir: Path | str, artifact: str, step: str,
     is emptied and the exception propagates.
     """
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except PermissionError as exc:  # e.g. a pod without a writable volume at that path
+        raise StepError(f"output directory {out_dir} for '{artifact}': cannot create it "
+                        f"({exc.strerror}: {exc.filename}); the step needs a writable "
+                        "directory there (on a cluster: a volume mounted at or above it)"
+                        ) from None
     leftovers = [p.name for p in out_dir.iterdir()]
     if leftovers:
         raise StepError(f"output directory {out_dir} for '{artifact}' is not empty "

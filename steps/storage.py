@@ -512,9 +512,9 @@ def download_dir(uri: str, local_dir: Path | str, client=None, *, artifact: str 
             raw = None
     listed = list_objects(uri, s3)
     if raw is None:
+        if not listed:  # as Argo's S3 driver: an empty prefix is not a directory
+            raise StorageError(f"nothing at {uri} (endpoint {s3.meta.endpoint_url})")
         if require_manifest:
-            if not listed:
-                raise StorageError(f"nothing at {uri} (endpoint {s3.meta.endpoint_url})")
             raise StorageError(f"{uri} has no {MANIFEST} (endpoint {s3.meta.endpoint_url}): "
                                "the producing step did not finish")
         jobs = [(str(root / _safe_relative(k[len(prefix):], uri)), k, size)

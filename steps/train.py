@@ -15,7 +15,9 @@ Dice + CE and deep supervision (steps.losses) on stateless 2D batches augmented 
     argo-outputs/{mean_dice,best_epoch,img_per_s}   plain text, for Argo output parameters
 
 ``--devices N`` with N > 1 re-launches this module under ``torch.distributed.run`` (or is
-launched by it: RANK / WORLD_SIZE in the environment). Only rank 0 logs and writes.
+launched by it: RANK / WORLD_SIZE in the environment). ``--nodes M`` > 1 is a multi-node
+job whose every node runs torch.distributed.run itself; WORLD_SIZE is then M x N. Only rank 0
+logs and writes.
 """
 from __future__ import annotations
 
@@ -67,7 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", choices=devices.DEVICE_KINDS,
                    help="hpu, cuda or cpu; auto picks the first present in that order")
     g.add_argument("--devices", type=int, default=1,
-                   help="number of devices; >1 runs DDP via torch.distributed.run")
+                   help="devices per node; >1 runs DDP via torch.distributed.run")
+    g.add_argument("--nodes", type=int, default=1,
+                   help="nodes of a multi-node job, each started by torch.distributed.run "
+                        "(a PyTorchJob); WORLD_SIZE must be nodes x devices")
     g.add_argument("--precision", default="auto", choices=devices.PRECISIONS,
                    help="autocast dtype; auto = bf16 on hpu, bf16/fp16 on cuda, fp32 on cpu")
     g.add_argument("--hpu-mode", default="compile", choices=devices.HPU_MODES,
@@ -116,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    positive = ("devices", "batch_size", "val_batch_size", "max_epochs", "base_filters")
+    positive = ("devices", "nodes", "batch_size", "val_batch_size", "max_epochs",
+                "base_filters")
     for name in positive:
         if getattr(args, name) < 1:
             raise StepError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -130,9 +136,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise StepError(f"--learning-rate must be > 0, got {args.learning_rate}")
     if args.checkpoint_minutes < 0:
         raise StepError(f"--checkpoint-minutes must be >= 0, got {args.checkpoint_minutes}")
-    if args.batch_size < args.devices:
+    if args.batch_size < args.devices * args.nodes:
         raise StepError(f"--batch-size {args.batch_size} is smaller than --devices "
-                        f"{args.devices}: every device needs at least one slice per step")
+                        f"{args.devices} x --nodes {args.nodes}: every device needs at least "
+                        "one slice per step")
     if args.min_epochs > args.max_epochs:
         raise StepError(f"--min-epochs {args.min_epochs} exceeds --max-epochs "
                         f"{args.max_epochs}")
@@ -608,9 +615,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     rank, world, _ = dist_env()
-    if world > 1 and args.devices != world:
-        raise StepError(f"--devices {args.devices} does not match WORLD_SIZE {world} of "
-                        "torch.distributed.run")
+    if world > 1 and args.devices * args.nodes != world:
+        raise StepError(f"--devices {args.devices} x --nodes {args.nodes} does not match "
+                        f"WORLD_SIZE {world} of torch.distributed.run")
+    if args.nodes > 1 and world == 1:
+        raise StepError(f"--nodes {args.nodes}: every node must be started by "
+                        "torch.distributed.run (a PyTorchJob), none was")
     plan = preflight(args)
     if args.devices > 1 and world == 1:
         plan.resume_state = None   # the workers load it themselves

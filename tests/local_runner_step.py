@@ -6,6 +6,8 @@ flaky    --marker PATH --out DIR             exit 1 the first time (creates PATH
 fail     --code N                            exit N
 secret   --out FILE                          FILE = sha256 of $AWS_SECRET_ACCESS_KEY
 count    --counter PATH                      append a line to PATH (counts executions)
+sleepy   --marker PATH --code N              exit N the first time (creates PATH), then sleep
+env      --text NAME --out FILE              FILE = $NAME, or "<unset>"
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import argparse
 import hashlib
 import os
 import sys
+import time
 from pathlib import Path
 
 from steps.artifacts import publish, require
@@ -57,6 +60,15 @@ def main(argv: list[str] | None = None) -> int:
         digest = hashlib.sha256(os.environ.get("AWS_SECRET_ACCESS_KEY", "").encode())
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(digest.hexdigest())
+    elif args.action == "sleepy":
+        marker = Path(args.marker)
+        if not marker.exists():
+            marker.write_text("failed once\n")
+            return args.code
+        time.sleep(120)
+    elif args.action == "env":
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(os.environ.get(args.text, "<unset>"))
     elif args.action != "count":
         print(f"unknown action {args.action}", file=sys.stderr)
         return 2

@@ -73,9 +73,9 @@ def stages(text: str) -> list[Stage]:
             name = parts[2] if len(parts) > 2 and parts[1].upper() == "AS" else None
             result.append(Stage(substitute(parts[0], global_args), name, dict(global_args)))
         elif not result:
-            if keyword == "ARG":
+            if keyword == "ARG":  # a default may use the ARGs declared before it
                 key, default = parse_arg(body)
-                global_args[key] = default
+                global_args[key] = substitute(default, global_args)
         else:
             stage = result[-1]
             if keyword == "ARG":
@@ -197,8 +197,8 @@ SECRET_PATTERNS = [
 ]
 
 
-@pytest.mark.parametrize("path", sorted(CONTAINERS.iterdir()) + [REPO / ".dockerignore"],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(p for p in CONTAINERS.rglob("*") if p.is_file())
+                         + [REPO / ".dockerignore"], ids=lambda p: p.name)
 def test_no_secrets(path):
     text = path.read_text()
     for pattern in SECRET_PATTERNS:

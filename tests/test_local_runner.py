@@ -1,8 +1,7 @@
 """The local runner (workflows.local) on small hand-written Workflows against a real S3 server.
 
 Steps are ``python tests/local_runner_step.py <action>`` run by the subprocess executor; the
-S3 is the SeaweedFS fixture. The docker executor is checked for the command it builds (no
-Docker engine here); a real docker run skips without one.
+S3 is the SeaweedFS fixture. The container executors are in tests/test_pods.py.
 """
 from __future__ import annotations
 
@@ -10,8 +9,6 @@ import copy
 import hashlib
 import json
 import re
-import shutil
-import subprocess
 import sys
 import urllib.request
 from pathlib import Path
@@ -21,7 +18,6 @@ import yaml
 
 from steps import storage
 from workflows.local import LocalRunError, pod_name, run_workflow, validate_workflow
-from workflows.local import executors
 from workflows.local.expr import eval_depends, eval_when, substitute
 from workflows.local.runner import duration_seconds, fnv1a_32
 
@@ -335,7 +331,9 @@ def test_embedded_s3_keeps_results_between_runs(tmp_path, s3):
     assert len(secret) > 20 and not any(secret in line for line in lines)
 
 
-def test_memo_entries_expire_and_need_their_artifacts(s3_env):
+def test_memo_entries_expire_but_do_not_check_their_artifacts(s3_env):
+    """Argo's cache hit is the stored outputs; whether the artifacts still exist is found
+    out by the consumer (operator.go), so a hit does not look."""
     from workflows.local import memo
     from workflows.local.results import ArtifactRef
     s3 = s3_env
@@ -346,8 +344,104 @@ def test_memo_entries_expire_and_need_their_artifacts(s3_env):
     assert hit["parameters"] == {"p": "v"} and hit["artifacts"]["a"] == ref
     assert memo.load(s3.bucket, "cm", "k-1", 0) is None  # older than maxAge
     s3.client().delete_object(Bucket=s3.bucket, Key="memo-test/a.txt")
-    assert memo.load(s3.bucket, "cm", "k-1", 3600) is None  # its artifact is gone
+    assert memo.load(s3.bucket, "cm", "k-1", 3600)["artifacts"]["a"] == ref
     assert memo.load(s3.bucket, "cm", "never-saved", 3600) is None
+
+
+def test_memo_hit_with_deleted_artifacts_fails_at_the_consumer(run, s3, tmp_path):
+    """As on a cluster: the memoized node Succeeds, the consumer's input fails to load
+    (an Error whose step never ran: lastRetry.exitCode is -1, so it is retried)."""
+    counter = tmp_path / "count"
+    first = run(_memoized(counter))
+    assert first.succeeded
+    text = first.node("a").artifacts["text"]
+    client = s3.client()
+    for key in keys(s3, text.key):
+        client.delete_object(Bucket=s3.bucket, Key=key)
+    wf = _memoized(counter)
+    wf["spec"]["templates"][2]["retryStrategy"] = {
+        "limit": 1, "retryPolicy": "Always", "expression": "asInt(lastRetry.exitCode) != 2"}
+    second = run(wf)
+    a, b = second.node("a"), second.node("b")
+    assert a.phase == "Succeeded" and a.memoized
+    assert b.phase == "Error" and "artifact text failed to load" in b.message, b.message
+    assert b.attempts == 2 and b.step_seconds == 0  # retried (exit code -1), never ran
+    assert second.phase == "Failed"
+
+
+def _sleepy(retry: dict, marker: Path, code: int = 1) -> dict:
+    sleepy = container("sleepy", ["sleepy", "--marker", str(marker), "--code", str(code)],
+                       retryStrategy=retry)
+    return workflow([{"name": "s", "template": "sleepy"}], [sleepy])
+
+
+def test_retry_max_duration_is_a_deadline_that_kills_a_later_attempt(run, tmp_path):
+    """Argo: maxDuration counts from the first attempt's start; a retry still running when
+    it passes is stopped (ARGO_DEADLINE), and no attempt follows."""
+    retry = {"limit": 3, "retryPolicy": "Always",
+             "backoff": {"duration": "1s", "factor": 1, "maxDuration": "4s"}}
+    result = run(_sleepy(retry, tmp_path / "marker"))
+    node = result.node("s")
+    assert node.phase == "Failed" and node.attempts == 2
+    assert "Step exceeded its deadline" in node.message
+    assert "Max duration limit exceeded" in node.message
+    assert node.seconds < 30  # not the step's 120 s sleep
+
+
+def test_retry_expression_sees_the_exit_code(run, tmp_path):
+    retry = {"limit": 3, "retryPolicy": "Always", "expression": "asInt(lastRetry.exitCode) != 2",
+             "backoff": {"duration": "1s"}}
+    result = run(_sleepy(retry, tmp_path / "marker", code=2))
+    node = result.node("s")
+    assert node.phase == "Failed" and node.attempts == 1  # exit 2 is not retried
+
+
+def test_empty_directory_output_fails_at_its_consumer(run):
+    """Argo's S3 driver uploads no object for an empty directory and its loader finds none."""
+    empty = {"name": "empty", "container": {
+        "image": "python:3.11-slim", "command": ["python", "-c"],
+        "args": ["import os; os.makedirs('{{outputs.artifacts.text.path}}')"]},
+        "outputs": {"artifacts": [out_dir("text", "/work/text")]}}
+    wf = workflow([{"name": "e", "template": "empty"},
+                   {"name": "b", "template": "consume", "depends": "e",
+                    "arguments": {"artifacts": [{"name": "text",
+                                                 "from": "{{tasks.e.outputs.artifacts.text}}"}]}}],
+                  [empty, CONSUME])
+    result = run(wf)
+    assert result.node("e").phase == "Succeeded"
+    assert result.node("b").phase == "Error" and "failed to load" in result.node("b").message
+
+
+def test_config_map_references_resolve_from_the_local_store(run, s3):
+    def probe(name: str, ref: dict) -> dict:
+        template = container(name, ["env", "--text", "AWS_ENDPOINT_URL", "--out", "/work/v"],
+                             outputs={"parameters": [{"name": "v",
+                                                      "valueFrom": {"path": "/work/v"}}]})
+        template["container"]["env"] = [{"name": "AWS_ENDPOINT_URL",
+                                         "valueFrom": {"configMapKeyRef": ref}}]
+        return template
+    storage_ref = {"name": "unet-storage", "key": "endpoint", "optional": True}
+    other_ref = {"name": "other", "key": "endpoint", "optional": True}
+    wf = workflow([{"name": "s", "template": "s"}, {"name": "o", "template": "o"}],
+                  [probe("s", storage_ref), probe("o", other_ref)])
+    result = run(wf)
+    assert result.node("s").parameters["v"] == s3.endpoint  # the run's S3 stands in
+    result = run(wf, configmaps={"other": {"endpoint": "http://elsewhere:9000"},
+                                 "unet-storage": {"endpoint": "http://minio:9000"}})
+    assert result.node("s").parameters["v"] == "http://minio:9000"
+    assert result.node("o").parameters["v"] == "http://elsewhere:9000"
+
+
+def test_a_work_volume_is_a_folder_of_the_pod(run, s3):
+    wf = chain()
+    for template in wf["spec"]["templates"][1:]:
+        template["volumes"] = [{"name": "work", "emptyDir": {"sizeLimit": "1Gi"}}]
+        template["container"]["volumeMounts"] = [{"name": "work", "mountPath": "/work"}]
+    result = run(wf)
+    assert result.succeeded, result.message
+    wf["spec"]["templates"][1]["volumes"] = [{"name": "work", "hostPath": {"path": "/tmp"}}]
+    with pytest.raises(LocalRunError, match="only emptyDir"):
+        run(wf)
 
 
 def test_template_timeout_stops_the_step(run):
@@ -394,49 +488,6 @@ def test_a_step_without_s3_env_gets_no_credentials(run, s3, tmp_path):
                                                "valueFrom": {"path": "/work/digest"}}]})
     result = run(workflow([{"name": "p", "template": "probe"}], [probe]))
     assert result.node("p").parameters["digest"] == hashlib.sha256(b"").hexdigest()
-
-
-# ---- docker executor -----------------------------------------------------------------------
-def test_docker_command_mounts_paths_and_passes_env_by_name(tmp_path):
-    mounts = executors.mount_points(["/data/raw", "/data/dataset", "/data/model/x/mean",
-                                     "/tmp/out/p"], "t")
-    assert mounts == ["/data", "/tmp/out"]
-    argv = executors.docker_argv(
-        "ghcr.io/x/unet-cpu:0.1.0", ["python", "-m", "steps.train"], ["--dataset", "/data/d"],
-        name="wf-train-1", mounts=[(tmp_path / "data", "/data")],
-        env_names=["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"], shm_bytes=2**30, gpus=2,
-        user="1000:1000")
-    text = " ".join(argv)
-    assert argv[:2] == ["docker", "run"] and "--rm" in argv
-    assert f"-v {tmp_path / 'data'}:/data" in text
-    assert "-e AWS_SECRET_ACCESS_KEY" in text and "=" not in text.split("--entrypoint")[0] \
-        .replace("HABANA_VISIBLE_DEVICES=all", "")
-    assert "--shm-size 1073741824" in text and "--gpus 2" in text
-    assert argv[argv.index("--entrypoint"):] == [
-        "--entrypoint", "python", "ghcr.io/x/unet-cpu:0.1.0", "-m", "steps.train",
-        "--dataset", "/data/d"]
-    with pytest.raises(LocalRunError, match="directly under /"):
-        executors.mount_points(["/raw"], "t")
-
-
-def _docker_engine() -> bool:
-    if shutil.which("docker") is None:
-        return False
-    return subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
-
-
-def test_docker_executor_runs_a_real_container(run, s3):
-    if not _docker_engine():
-        pytest.skip("no Docker engine on this machine (the docker CLI alone cannot run "
-                    "containers); the command construction is tested above")
-    wf = workflow([{"name": "p", "template": "echo"}],
-                  [{"name": "echo", "container": {
-                      "image": "python:3.11-slim", "command": ["python", "-c"],
-                      "args": ["import pathlib; p = pathlib.Path('{{outputs.artifacts.o.path}}'); "
-                               "p.mkdir(); (p / 'x.txt').write_text('hi')"]},
-                    "outputs": {"artifacts": [out_dir("o", "/work/o")]}}])
-    result = run(wf, executor="docker")
-    assert result.succeeded, result.message
 
 
 # ---- the compose file ------------------------------------------------------------------------

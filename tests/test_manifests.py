@@ -336,3 +336,53 @@ def test_only_the_device_plugin_namespace_is_privileged():
         assert labels["pod-security.kubernetes.io/enforce"] == "baseline", overlay
     habana = find(built("gaudi"), "Namespace", "habana-system")
     assert habana["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+
+
+def _resolve_env(container: dict, docs: list[dict]) -> dict[str, str | None]:
+    """A container's env as the kubelet would set it from this overlay's objects: a value,
+    None for an optional reference that resolves to nothing, and a KeyError where a required
+    reference is missing (the pod would never start)."""
+    env: dict[str, str | None] = {}
+    objects = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    for var in container.get("env") or []:
+        source = var.get("valueFrom")
+        if source is None:
+            env[var["name"]] = var["value"]
+            continue
+        (key, ref), = source.items()
+        kind = {"secretKeyRef": "Secret", "configMapKeyRef": "ConfigMap"}[key]
+        data = (objects.get((kind, ref["name"])) or {}).get("data") or {}
+        if ref["key"] not in data and not ref.get("optional"):
+            raise KeyError(f"{var['name']}: {kind} {ref['name']} key {ref['key']}")
+        env[var["name"]] = data.get(ref["key"])
+    return env
+
+
+def _endpoint_host(url: str | None) -> str:
+    return "s3.amazonaws.com" if not url else url.split("://", 1)[-1].rstrip("/")
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overrides", [[], ["resources.train.nodes=2"]])
+def test_steps_start_and_reach_the_overlays_s3(overlay, overrides):
+    """Issue 13 point 4: on every overlay the step pods start (no Secret the overlay lacks)
+    and their checkpoints go to the same S3 as Argo's artifacts (no -p storage.endpoint)."""
+    from workflows.config import load_config
+    from workflows.unet import build
+    docs = built(overlay)
+    doc = build(load_config(None, None, overrides)).to_dict()
+    containers = [t["container"] for t in doc["spec"]["templates"] if "container" in t]
+    for tmpl in doc["spec"]["templates"]:
+        manifest = (tmpl.get("resource") or {}).get("manifest")
+        if manifest:
+            for replica in yaml.safe_load(manifest)["spec"]["pytorchReplicaSpecs"].values():
+                containers += replica["template"]["spec"]["containers"]
+    repository = artifact_repository(docs)["s3"]["endpoint"]
+    checked = 0
+    for container in containers:
+        env = _resolve_env(container, docs)
+        if "AWS_REGION" in env:  # a step that uses the checkpoint / source store
+            assert _endpoint_host(env.get("AWS_ENDPOINT_URL")) == repository, overlay
+            checked += 1
+    assert checked >= 2

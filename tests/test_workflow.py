@@ -207,7 +207,7 @@ def test_template_kind_and_multinode_variant():
     train = t["train"]["resource"]
     assert train["action"] == "create" and train["setOwnerReference"] is True
     assert "succeeded > 0" in train["successCondition"]
-    assert "failed > 0" in train["failureCondition"]
+    assert "status.conditions.3.type == Failed" in train["failureCondition"]
     job = yaml.safe_load(train["manifest"])
     assert job["kind"] == "PyTorchJob"
     assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1

@@ -53,7 +53,10 @@ def parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", parents=[common], help="run the compiled Workflow locally")
     run.add_argument("--local", action="store_true", required=True,
                      help="run on this machine (the only mode)")
-    run.add_argument("--executor", choices=("subprocess", "docker"), default="subprocess")
+    run.add_argument("--executor", choices=("subprocess", "podman", "docker"),
+                     default="subprocess",
+                     help="subprocess: each step in this Python environment; podman/docker: "
+                          "each step in its image, as its pod runs on a cluster")
     run.add_argument("--output-dir", default="outputs", help="where final outputs are copied")
     run.add_argument("--run-dir", default=".unet-local",
                      help="per-run files and the embedded S3 server's data")
@@ -94,7 +97,10 @@ def cmd_lint(args) -> int:
             print(f"{kind}: {line}")
         failed |= bool(problems)
         if not problems:
-            print(f"{kind}: ok (round-trip, schema, artifacts, secrets, images)")
+            skipped = {line.split(":")[0] for line in notes}
+            checks = [c for c in ("round-trip", "schema", "crd", "artifacts", "secrets",
+                                  "images", "pods", "references") if c not in skipped]
+            print(f"{kind}: ok ({', '.join(checks)})")
     return 1 if failed else 0
 
 

@@ -26,6 +26,7 @@ DEFAULT_CONFIG = REPO_ROOT / "config" / "pipeline.yaml"
 STAGES = ("download", "preprocess", "train", "convert")
 _QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
 _DURATION = r"^[0-9]+(s|m|h)$"
+_UNITS_S = {"s": 1, "m": 60, "h": 3600}
 _NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 
@@ -68,9 +69,15 @@ class Storage(_Strict):
     artifact_repository_configmap: str = Field("artifact-repositories", pattern=_NAME)
     artifact_repository_key: str = Field("default-v1", min_length=1)
     bucket: str = Field("unet-artifacts", min_length=3, max_length=63)
-    endpoint: str = Field("", description="S3 endpoint for the checkpoint store; empty = AWS")
+    endpoint: str = Field("", description="S3 endpoint for the checkpoint store; empty: the "
+                                          "settings ConfigMap's, else AWS")
     region: str = "us-east-1"
-    credentials_secret: str = Field("unet-s3-credentials", pattern=_NAME)
+    settings_configmap: str = Field("unet-storage", pattern=_NAME,
+                                    description="ConfigMap (made by the overlay) whose key "
+                                                "'endpoint' is the cluster's S3 endpoint")
+    credentials_secret: str = Field("unet-s3-credentials", pattern=_NAME,
+                                    description="optional Secret with the S3 keys; absent: "
+                                                "the SDK's chain (IRSA)")
     access_key_key: str = "accessKey"
     secret_key_key: str = "secretKey"
     checkpoint_prefix: str = "checkpoints"
@@ -86,7 +93,9 @@ class Retry(_Strict):
     limit: int = Field(2, ge=0, le=10)
     backoff_duration: str = Field("30s", pattern=_DURATION)
     backoff_factor: int = Field(2, ge=1)
-    backoff_max_duration: str = Field("10m", pattern=_DURATION)
+    backoff_cap: str = Field("10m", pattern=_DURATION,
+                             description="longest wait between attempts; there is no overall "
+                                         "deadline, each attempt has its step's timeout")
 
 
 class Download(_Strict):
@@ -139,13 +148,22 @@ class Toleration(_Strict):
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
 
 
+def seconds(duration: str) -> int:
+    """``90s``, ``30m``, ``72h`` (the config's duration form) in seconds."""
+    return int(duration[:-1]) * _UNITS_S[duration[-1]]
+
+
 class StepResources(_Strict):
     cpu: str = Field("1", pattern=_QUANTITY)
     memory: str = Field("4Gi", pattern=_QUANTITY)
+    timeout: str = Field("2h", pattern=_DURATION,
+                         description="deadline of one attempt (the pod's activeDeadlineSeconds)")
 
 
 class TrainResources(_Strict):
     accelerator: Literal["gaudi", "cuda", "cpu"] = "gaudi"
+    timeout: str = Field("72h", pattern=_DURATION,
+                         description="deadline of one training attempt")
     nodes: int = Field(1, ge=1, le=64, description="> 1 trains through a Kubeflow PyTorchJob")
     cpu: str = Field("32", pattern=_QUANTITY)
     memory: str = Field("500Gi", pattern=_QUANTITY)
@@ -158,9 +176,11 @@ class TrainResources(_Strict):
 class Resources(_Strict):
     work_volume_size: str = Field("100Gi", pattern=_QUANTITY,
                                   description="emptyDir sizeLimit holding artifacts in a pod")
-    download: StepResources = StepResources(cpu="1", memory="2Gi")
-    preprocess: StepResources = StepResources(cpu="8", memory="32Gi")
-    convert: StepResources = StepResources(cpu="4", memory="16Gi")
+    download: StepResources = StepResources(cpu="1", memory="2Gi", timeout="6h")
+    preprocess: StepResources = StepResources(cpu="8", memory="32Gi", timeout="6h")
+    convert: StepResources = StepResources(cpu="4", memory="16Gi", timeout="2h")
+    handoff: StepResources = Field(StepResources(cpu="1", memory="2Gi", timeout="2h"),
+                                   description="multi-node only: share-dataset, collect-model")
     train: TrainResources = TrainResources()
     extra_env: dict[str, str] = Field({}, description="literal env for every step (tuning)")
 
@@ -322,9 +342,10 @@ def _check_consistency(config: Config, source: str) -> None:
     if train.min_epochs > train.max_epochs:
         raise ConfigError(f"{source}: train.min_epochs: must be <= train.max_epochs "
                           f"({train.min_epochs} > {train.max_epochs})")
-    if train.batch_size < train.devices:
-        raise ConfigError(f"{source}: train.batch_size: must be >= train.devices "
-                          f"({train.batch_size} < {train.devices})")
+    world = train.devices * config.resources.train.nodes
+    if train.batch_size < world:
+        raise ConfigError(f"{source}: train.batch_size: must be >= train.devices x "
+                          f"resources.train.nodes ({train.batch_size} < {world})")
     accelerator = config.resources.train.accelerator
     wanted = {"gaudi": "hpu", "cuda": "cuda", "cpu": "cpu"}[accelerator]
     if train.device not in ("auto", wanted):

@@ -1,4 +1,5 @@
-"""Checks on the compiled workflow: Hera round-trip, Argo's JSON schema, project rules.
+"""Checks on the compiled workflow: Hera round-trip, Argo's JSON schema, the Kubeflow CRD of
+the multi-node job, project rules and pod contracts (:mod:`workflows.pod_rules`).
 
 Each check returns a list of one-line problems; an empty list means it passed.
 """
@@ -12,10 +13,14 @@ import re
 from pathlib import Path
 from typing import Iterable, Iterator
 
+import yaml
 from hera.workflows import Workflow, WorkflowTemplate
+
+from workflows.pod_rules import pod_rules
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VALIDATOR = REPO_ROOT.parent / "shared" / "tools" / "validate_argo.py"
+PYTORCHJOB_CRD = REPO_ROOT.parent / "shared" / "kubeflow" / "pytorchjob-crd-v1.9.0.yaml"
 CREDENTIAL_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN",
                   "ARGO_TOKEN", "MINIO_ROOT_PASSWORD", "MINIO_ROOT_USER")
 _SECRET_NAME = re.compile(r"(SECRET|PASSWORD|PASSWD|TOKEN|ACCESS_KEY|PRIVATE_KEY|API_KEY)",
@@ -76,6 +81,35 @@ def schema(doc: dict) -> list[str] | None:
     check = validators[doc["kind"]]
     return [f"schema: at {'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message[:160]}"
             for e in sorted(check.iter_errors(doc), key=lambda e: list(e.absolute_path))]
+
+
+@functools.lru_cache(maxsize=1)
+def _crd_validator():
+    if not PYTORCHJOB_CRD.is_file():
+        return None
+    from jsonschema import Draft7Validator
+    crd = yaml.safe_load(PYTORCHJOB_CRD.read_text())
+    version = next(v for v in crd["spec"]["versions"] if v.get("storage"))
+    return Draft7Validator(version["schema"]["openAPIV3Schema"])
+
+
+def crd(doc: dict) -> list[str] | None:
+    """Every PyTorchJob a resource template creates, against the operator's CRD (v1.9.0);
+    None when the CRD is not available."""
+    validator = _crd_validator()
+    if validator is None:
+        return None
+    problems = []
+    for tmpl in doc["spec"]["templates"]:
+        manifest = (tmpl.get("resource") or {}).get("manifest")
+        job = yaml.safe_load(manifest) if manifest else None
+        if not (isinstance(job, dict) and job.get("kind") == "PyTorchJob"):
+            continue
+        for e in sorted(validator.iter_errors(job), key=lambda e: list(e.absolute_path)):
+            where = "/".join(map(str, e.absolute_path)) or "<root>"
+            problems.append(f"crd: template {tmpl['name']} PyTorchJob at {where}: "
+                            f"{e.message[:160]}")
+    return problems
 
 
 def _templates(doc: dict) -> dict[str, dict]:
@@ -222,10 +256,12 @@ def lint(doc: dict, env: dict | None = None) -> tuple[list[str], list[str]]:
     """All checks; returns (problems, notes)."""
     problems = round_trip(doc)
     notes = []
-    found = schema(doc)
-    if found is None:
-        notes.append(f"schema: skipped, {VALIDATOR} is absent")
-    else:
-        problems += found
+    for name, found, path in (("schema", schema(doc), VALIDATOR),
+                              ("crd", crd(doc), PYTORCHJOB_CRD)):
+        if found is None:
+            notes.append(f"{name}: skipped, {path} is absent")
+        else:
+            problems += found
     problems += project_rules(doc, env)
-    return problems, notes
+    found, more = pod_rules(doc)
+    return problems + found, notes + more

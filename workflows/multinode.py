@@ -14,20 +14,43 @@ fixed key under the workflow's name, the workers fetch it (``steps.handoff fetch
 pushes the model (``steps.handoff push``), and ``collect-model`` turns that key back into the
 ordinary ``model`` artifact with the train output parameters and metrics. The checkpoint URI
 is the single-node one, so an Argo retry of the resource step resumes.
+
+What the operator and Argo do, and what the job is built for (kubeflow/training-operator
+v1.9.0, argo-workflows v4.1.2):
+
+- **World size.** The operator hands ``nprocPerNode`` to torchrun as ``PET_NPROC_PER_NODE`` and
+  the pod count as ``PET_NNODES`` (``pytorch/envvar.go``); torchrun gives every worker
+  ``WORLD_SIZE = nnodes * nproc``. ``nprocPerNode`` is therefore the ``devices`` parameter
+  itself, and the step is told ``--devices`` (per node) and ``--nodes``.
+- **Failure.** Under ``restartPolicy: OnFailure`` the kubelet restarts a failed container in
+  place, its pod never becomes Failed, and ``replicaStatuses.Master.failed`` never counts
+  it. ``ExitCode`` lets the pod fail: exit codes 1-127 (torchrun exits 1 when a worker
+  fails, the step 2 on bad input) fail the job at once, 128 and above (OOM kill, eviction)
+  make the operator recreate the pod (``train_util.IsRetryableExitCode``). A job that fails
+  through ``backoffLimit`` or ``activeDeadlineSeconds`` keeps its replica counts frozen and
+  only appends a ``Failed`` condition, so the failure condition looks for that condition at
+  each index it can take (Argo's conditions are label-selector requirements over JSON paths,
+  ORed for failure; no list filters).
+- **Deadlines.** The job's ``runPolicy.activeDeadlineSeconds`` is the train timeout; the
+  resource node's own deadline is a little longer (the job is created and scheduled after
+  the node starts) and stops the wait if the operator never reports at all.
 """
 from __future__ import annotations
 
 import shlex
 
 import yaml
-from hera.workflows import Artifact, Container, Parameter, Resource, S3Artifact, Task
+from hera.workflows import Parameter, Resource, S3Artifact, Task
 from hera.workflows import models as m
 from hera.workflows.archive import NoneArchiveStrategy
 
-from workflows.config import Config
+from workflows.config import Config, seconds
 from workflows import unet
 
-POD_DATA = "/data"  # inside the job's pods (not an Argo artifact path)
+POD_DATA = unet.DATA  # inside the job's pods (not an Argo artifact path): the work volume
+MASTER_PORT = 23456  # the operator's default; its Master must name the port pytorchjob-port
+RESOURCE_GRACE_S = 900  # the resource node waits this much longer than the job may run
+CONDITION_INDEXES = range(6)  # Created, Running/Restarting, Suspended, Succeeded|Failed, ...
 
 
 def shared_key(what: str) -> str:
@@ -51,7 +74,7 @@ def _worker_script(cfg: Config) -> str:
     ])
 
 
-def _pod(cfg: Config, replicas: int) -> dict:
+def _pod(cfg: Config, replicas: int, master: bool) -> dict:
     resources, volumes, mounts = unet.accelerator_resources(cfg)
     r = cfg.resources.train
     env = [e.model_dump(by_alias=True, exclude_none=True)
@@ -76,7 +99,10 @@ def _pod(cfg: Config, replicas: int) -> dict:
         pod["nodeSelector"] = dict(r.node_selector)
     if r.tolerations:
         pod["tolerations"] = [t.model_dump(exclude_none=True) for t in r.tolerations]
-    return {"replicas": replicas, "restartPolicy": "OnFailure", "template": {"spec": pod}}
+    if master:
+        pod["containers"][0]["ports"] = [{"name": "pytorchjob-port",
+                                          "containerPort": MASTER_PORT}]
+    return {"replicas": replicas, "restartPolicy": "ExitCode", "template": {"spec": pod}}
 
 
 def job_manifest(cfg: Config) -> str:
@@ -88,43 +114,46 @@ def job_manifest(cfg: Config) -> str:
                      "labels": {"app.kubernetes.io/name": "unet-argo",
                                 "workflows.argoproj.io/workflow": "{{workflow.name}}"}},
         "spec": {
-            "nprocPerNode": str(cfg.train.devices),
-            "runPolicy": {"cleanPodPolicy": "None", "backoffLimit": cfg.retry.limit},
-            "pytorchReplicaSpecs": {"Master": _pod(cfg, 1), "Worker": _pod(cfg, nodes - 1)},
+            "nprocPerNode": unet.arg("devices"),
+            "runPolicy": {"cleanPodPolicy": "None", "backoffLimit": cfg.retry.limit,
+                          "activeDeadlineSeconds": seconds(cfg.resources.train.timeout)},
+            "pytorchReplicaSpecs": {"Master": _pod(cfg, 1, master=True),
+                                    "Worker": _pod(cfg, nodes - 1, master=False)},
         },
     }
     return yaml.safe_dump(job, sort_keys=False, width=1000)
 
 
+def failure_condition() -> str:
+    """A ``Failed`` condition at any index the operator can put it (ORed by Argo)."""
+    return ", ".join(f"status.conditions.{i}.type == Failed" for i in CONDITION_INDEXES)
+
+
 def templates(cfg: Config) -> dict:
     """The three templates that replace the single train container."""
-    share = Container(
-        name="share-dataset", image=unet.image(cfg, "cpu"),
-        image_pull_policy=cfg.images.pull_policy,
-        command=["python", "-m", "steps.handoff", "verify", "--artifact", "dataset",
-                 "{{inputs.artifacts.dataset.path}}"],
+    verify = lambda artifact: ["python", "-m", "steps.handoff", "verify",  # noqa: E731
+                               "--artifact", artifact,
+                               "{{inputs.artifacts.%s.path}}" % artifact]
+    share = unet.step(
+        cfg, "share-dataset", "cpu", verify("dataset"), resources="handoff",
         inputs=[Parameter(name="image-tag"), unet.directory("dataset")],
         outputs=[S3Artifact(name="dataset", path=f"{unet.DATA}/dataset",
-                            key=shared_key("dataset"), archive=NoneArchiveStrategy())],
-        resources=unet.step_resources("1", "2Gi", cfg.resources.work_volume_size),
-        retry_strategy=unet.retry(cfg))
+                            key=shared_key("dataset"), archive=NoneArchiveStrategy())])
     train = Resource(
         name="train", action="create", set_owner_reference=True,
         manifest=job_manifest(cfg),
         success_condition="status.replicaStatuses.Master.succeeded > 0",
-        failure_condition="status.replicaStatuses.Master.failed > 0",
+        failure_condition=failure_condition(),
         inputs=[Parameter(name=n) for n in unet.TRAIN_PARAMS],
-        retry_strategy=unet.retry(cfg))
-    collect = Container(
-        name="collect-model", image=unet.image(cfg, "cpu"),
-        image_pull_policy=cfg.images.pull_policy,
-        command=["python", "-m", "steps.handoff", "verify", "--artifact", "model",
-                 "{{inputs.artifacts.model.path}}"],
+        active_deadline_seconds=seconds(cfg.resources.train.timeout) + RESOURCE_GRACE_S,
+        retry_strategy=unet.retry(cfg), metrics=m.Metrics(prometheus=[
+            unet.duration_metric(cfg)]))
+    collect = unet.step(
+        cfg, "collect-model", "cpu", verify("model"), resources="handoff",
         inputs=[Parameter(name="image-tag"), Parameter(name="precision"),
                 S3Artifact(name="model", path=f"{unet.DATA}/model", key=shared_key("model"))],
         outputs=unet.model_outputs(),
-        resources=unet.step_resources("1", "2Gi", cfg.resources.work_volume_size),
-        retry_strategy=unet.retry(cfg), metrics=unet.train_metrics(cfg))
+        metrics=m.Metrics(prometheus=unet.result_metrics(cfg)))
     return {"share": share, "train": train, "collect": collect}
 
 

@@ -28,9 +28,10 @@ from hera.workflows import (DAG, Artifact, Container, Parameter, S3Artifact, Tas
 from hera.workflows.archive import NoneArchiveStrategy
 
 from steps.errors import EXIT_INPUT_ERROR
-from workflows.config import Config
+from workflows.config import Config, seconds
 
 DATA = "/data"  # artifact paths inside a pod; the local runner remaps them
+WORK_VOLUME = "work"  # the emptyDir at DATA that holds every artifact of a step pod
 TRAIN_OUTPUTS = ("mean_dice", "best_epoch", "img_per_s")
 CONVERT_OUTPUTS = ("max_abs_diff", "argmax_agreement")
 OUTPUTS_DIR = "argo-outputs"  # steps write Argo output-parameter files here
@@ -96,13 +97,18 @@ def workflow_parameters(cfg: Config) -> list[Parameter]:
 
 def retry(cfg: Config) -> m.RetryStrategy:
     """Retry with backoff on any failure except an input error (exit 2): retrying cannot fix
-    bad input, and its one-line error should reach the user at once."""
+    bad input, and its one-line error should reach the user at once.
+
+    The waits are capped, and there is no ``maxDuration``: Argo measures it from the first
+    attempt's start and stops a later attempt when it passes (operator.go
+    ``processNodeRetries``), which would leave a long train step without its retry. Each
+    attempt is bounded by its own ``activeDeadlineSeconds`` instead.
+    """
     r = cfg.retry
     return m.RetryStrategy(limit=r.limit, retry_policy="Always",
                            expression=f"asInt(lastRetry.exitCode) != {EXIT_INPUT_ERROR}",
                            backoff=m.Backoff(duration=r.backoff_duration,
-                                             factor=r.backoff_factor,
-                                             max_duration=r.backoff_max_duration))
+                                             factor=r.backoff_factor, cap=r.backoff_cap))
 
 
 def memoize(cfg: Config, stage: str, names: list[str]) -> m.Memoize:
@@ -125,20 +131,44 @@ def file_outputs(artifact: str, names: tuple[str, ...]) -> list[Parameter]:
 
 
 def s3_env(cfg: Config) -> list[m.EnvVar]:
-    """Checkpoint-store credentials: Secret references only, never values."""
+    """Checkpoint-store connection: references only, never values.
+
+    Both references are optional, so one compiled workflow starts on every overlay: where the
+    Secret does not exist (aws-s3, IRSA) boto3 takes the pod's role, and where the overlay's
+    ConfigMap has no ``endpoint`` the steps talk to AWS S3. A literal ``storage.endpoint``
+    replaces the ConfigMap's.
+    """
     s = cfg.storage
-    ref = lambda key: m.EnvVarSource(secret_key_ref=m.SecretKeySelector(  # noqa: E731
-        name=s.credentials_secret, key=key))
-    env = [m.EnvVar(name="AWS_ACCESS_KEY_ID", value_from=ref(s.access_key_key)),
-           m.EnvVar(name="AWS_SECRET_ACCESS_KEY", value_from=ref(s.secret_key_key)),
+    secret = lambda key: m.EnvVarSource(secret_key_ref=m.SecretKeySelector(  # noqa: E731
+        name=s.credentials_secret, key=key, optional=True))
+    env = [m.EnvVar(name="AWS_ACCESS_KEY_ID", value_from=secret(s.access_key_key)),
+           m.EnvVar(name="AWS_SECRET_ACCESS_KEY", value_from=secret(s.secret_key_key)),
            m.EnvVar(name="AWS_REGION", value=s.region)]
     if s.endpoint:
         env.append(m.EnvVar(name="AWS_ENDPOINT_URL", value=s.endpoint))
+    else:
+        env.append(m.EnvVar(name="AWS_ENDPOINT_URL", value_from=m.EnvVarSource(
+            config_map_key_ref=m.ConfigMapKeySelector(name=s.settings_configmap,
+                                                      key="endpoint", optional=True))))
     return env
 
 
 def extra_env(cfg: Config) -> list[m.EnvVar]:
     return [m.EnvVar(name=k, value=v) for k, v in sorted(cfg.resources.extra_env.items())]
+
+
+def work_volume(cfg: Config) -> tuple[m.Volume, m.VolumeMount]:
+    """The emptyDir at /data that holds a pod's artifacts.
+
+    The images run as a non-root uid and Argo mounts only the input artifacts and the
+    declared volumes, so without it /data is a root-owned directory that the runtime made
+    for the input mounts and no step can create its output there. Argo's init container
+    also writes inputs under a volume straight into it, and outputs on a volume are uploaded
+    from the mount instead of being tarred by the emissary first (``FindOverlappingVolume``).
+    """
+    return (m.Volume(name=WORK_VOLUME, empty_dir=m.EmptyDirVolumeSource(
+                size_limit=cfg.resources.work_volume_size)),
+            m.VolumeMount(name=WORK_VOLUME, mount_path=DATA))
 
 
 def step_resources(cpu: str, memory: str, scratch: str) -> m.ResourceRequirements:
@@ -160,20 +190,28 @@ def flags(values: dict[str, object]) -> list[str]:
     return out
 
 
-def step(cfg: Config, name: str, kind: str, args: list[str], **kw) -> Container:
-    res = getattr(cfg.resources, name)
+def step(cfg: Config, name: str, kind: str, command: list[str], resources: str = "",
+         **kw) -> Container:
+    """A data-side container template: CPU image, work volume, deadline, retries."""
+    res = getattr(cfg.resources, resources or name)
+    volume, mount = work_volume(cfg)
     return Container(
         name=name, image=image(cfg, kind), image_pull_policy=cfg.images.pull_policy,
-        command=["python", "-m", f"steps.{name}"], args=args,
+        command=command,
         resources=step_resources(res.cpu, res.memory, cfg.resources.work_volume_size),
-        retry_strategy=retry(cfg), **kw)
+        volumes=[volume], volume_mounts=[mount],
+        active_deadline_seconds=seconds(res.timeout), retry_strategy=retry(cfg), **kw)
+
+
+def step_command(name: str) -> list[str]:
+    return ["python", "-m", f"steps.{name}"]
 
 
 def download_template(cfg: Config) -> Container:
     names = ["source", "md5", "image-tag"]
-    return step(cfg, "download", "cpu",
-                ["--source", arg("source"), "--raw", "{{outputs.artifacts.raw.path}}",
-                 "--md5", arg("md5")],
+    return step(cfg, "download", "cpu", step_command("download"),
+                args=["--source", arg("source"), "--raw", "{{outputs.artifacts.raw.path}}",
+                      "--md5", arg("md5")],
                 inputs=[Parameter(name=n) for n in names],
                 outputs=[directory("raw", output=True)],
                 env=s3_env(cfg) + extra_env(cfg),
@@ -182,11 +220,11 @@ def download_template(cfg: Config) -> Container:
 
 def preprocess_template(cfg: Config) -> Container:
     keyed = ["source", "md5", "image-dtype", "mode", "patch-size", "image-tag"]
-    return step(cfg, "preprocess", "cpu",
-                ["--raw", "{{inputs.artifacts.raw.path}}",
-                 "--dataset", "{{outputs.artifacts.dataset.path}}",
-                 "--workers", arg("workers"), "--image-dtype", arg("image-dtype"),
-                 "--mode", arg("mode"), "--patch-size", arg("patch-size")],
+    return step(cfg, "preprocess", "cpu", step_command("preprocess"),
+                args=["--raw", "{{inputs.artifacts.raw.path}}",
+                      "--dataset", "{{outputs.artifacts.dataset.path}}",
+                      "--workers", arg("workers"), "--image-dtype", arg("image-dtype"),
+                      "--mode", arg("mode"), "--patch-size", arg("patch-size")],
                 inputs=[Parameter(name=n) for n in keyed + ["workers"]] + [directory("raw")],
                 outputs=[directory("dataset", output=True)],
                 env=extra_env(cfg),
@@ -198,9 +236,14 @@ TRAIN_PARAMS = ("devices", "batch-size", "min-epochs", "max-epochs", "learning-r
 
 
 def train_args(cfg: Config, dataset: str, model: str) -> list[str]:
-    """The train command's flags: DAG parameters as inputs, the rest fixed from the config."""
+    """The train command's flags: DAG parameters as inputs, the rest fixed from the config.
+
+    ``--devices`` is per node and ``--nodes`` is the node count, so the step expects
+    ``WORLD_SIZE == nodes * devices`` from ``torch.distributed.run``.
+    """
     t = cfg.train
     fixed = {
+        "nodes": cfg.resources.train.nodes,
         "device": t.device, "val_batch_size": t.val_batch_size,
         "weight_decay": f"{t.weight_decay:g}", "patience": t.patience,
         "steps_per_epoch": t.steps_per_epoch, "deep_supervision": t.deep_supervision,
@@ -223,6 +266,7 @@ def checkpoint_uri(cfg: Config) -> str:
 def accelerator_resources(cfg: Config) -> tuple[m.ResourceRequirements, list, list]:
     """Train pod resources, volumes and mounts for the configured accelerator.
 
+    Every train pod has the work volume at /data.
     gaudi: ``habana.ai/gaudi`` and ``hugepages-2Mi`` as Habana documents (requests = limits);
     cuda: ``nvidia.com/gpu``; cpu: cpu and memory only. /dev/shm is memory-backed for the
     data loader's shared tensors.
@@ -230,9 +274,10 @@ def accelerator_resources(cfg: Config) -> tuple[m.ResourceRequirements, list, li
     r, devices = cfg.resources.train, str(cfg.train.devices)
     scratch = cfg.resources.work_volume_size
     limits = {"cpu": r.cpu, "memory": r.memory, "ephemeral-storage": scratch}
-    volumes = [m.Volume(name="dshm", empty_dir=m.EmptyDirVolumeSource(
+    work, work_mount = work_volume(cfg)
+    volumes = [work, m.Volume(name="dshm", empty_dir=m.EmptyDirVolumeSource(
         medium="Memory", size_limit=r.shm_size))]
-    mounts = [m.VolumeMount(name="dshm", mount_path="/dev/shm")]
+    mounts = [work_mount, m.VolumeMount(name="dshm", mount_path="/dev/shm")]
     if r.accelerator == "gaudi":
         limits |= {"habana.ai/gaudi": devices, "hugepages-2Mi": r.hugepages_2mi}
         volumes.append(m.Volume(name="hugepage", empty_dir=m.EmptyDirVolumeSource(
@@ -243,25 +288,40 @@ def accelerator_resources(cfg: Config) -> tuple[m.ResourceRequirements, list, li
     return m.ResourceRequirements(requests=dict(limits), limits=limits), volumes, mounts
 
 
-def train_metrics(cfg: Config) -> m.Metrics:
-    """Prometheus metrics the controller emits for the train node."""
-    labels = [m.MetricLabel(key="accelerator", value=cfg.resources.train.accelerator),
-              m.MetricLabel(key="precision", value=arg("precision"))]
-    done = "{{status}} == Succeeded"
+DONE = "{{status}} == Succeeded"
+
+
+def metric_labels(cfg: Config) -> list[m.MetricLabel]:
+    return [m.MetricLabel(key="accelerator", value=cfg.resources.train.accelerator),
+            m.MetricLabel(key="precision", value=arg("precision"))]
+
+
+def duration_metric(cfg: Config) -> m.Prometheus:
+    """Wall time of the node that trains, once per successful run.
+
+    Under a retryStrategy Argo emits a template's metrics for every attempt that is retried
+    (in that attempt's scope) and once more for the retry node when it ends
+    (operator.go ``executeTemplate``), so without ``when`` each failed attempt's time would
+    be one more observation. The one observation left spans every attempt and backoff of
+    the run; ``retries`` says how many attempts it took.
+    """
+    return m.Prometheus(
+        name="unet_train_duration_seconds",
+        help="Wall time of the train step until it succeeded, retries included",
+        labels=metric_labels(cfg) + [m.MetricLabel(key="retries", value="{{retries}}")],
+        when=DONE, histogram=m.Histogram(value="{{duration}}", buckets=[
+            60, 300, 900, 1800, 3600, 7200, 14400, 28800, 86400]))
+
+
+def result_metrics(cfg: Config) -> list[m.Prometheus]:
+    """Gauges of the train outputs, on the template that has them as output parameters."""
     gauge = lambda name, help_, out: m.Prometheus(  # noqa: E731
-        name=name, help=help_, labels=labels, when=done,
+        name=name, help=help_, labels=metric_labels(cfg), when=DONE,
         gauge=m.Gauge(value="{{outputs.parameters.%s}}" % out, realtime=False))
-    return m.Metrics(prometheus=[
-        m.Prometheus(name="unet_train_duration_seconds", help="Wall time of the train step",
-                     labels=labels + [m.MetricLabel(key="status", value="{{status}}")],
-                     histogram=m.Histogram(value="{{duration}}",
-                                           buckets=[60, 300, 900, 1800, 3600, 7200, 14400,
-                                                    28800, 86400])),
-        gauge("unet_train_mean_dice", "Best validation mean Dice (x100) of the run",
-              "mean-dice"),
-        gauge("unet_train_images_per_second", "Training throughput in 2D slices per second",
-              "img-per-s"),
-    ])
+    return [gauge("unet_train_mean_dice", "Best validation mean Dice (x100) of the run",
+                  "mean-dice"),
+            gauge("unet_train_images_per_second",
+                  "Training throughput in 2D slices per second", "img-per-s")]
 
 
 def model_outputs() -> list:
@@ -284,8 +344,9 @@ def train_template(cfg: Config) -> Container:
         resources=resources, volumes=volumes, volume_mounts=mounts,
         node_selector=dict(r.node_selector) or None,
         tolerations=[m.Toleration(**t.model_dump(exclude_none=True)) for t in r.tolerations]
-        or None,
-        retry_strategy=retry(cfg), metrics=train_metrics(cfg))
+        or None, active_deadline_seconds=seconds(r.timeout),
+        retry_strategy=retry(cfg),
+        metrics=m.Metrics(prometheus=[duration_metric(cfg)] + result_metrics(cfg)))
 
 
 def convert_template(cfg: Config) -> Container:
@@ -293,10 +354,10 @@ def convert_template(cfg: Config) -> Container:
     release = S3Artifact(name="release", path=f"{DATA}/exported", archive=NoneArchiveStrategy(),
                          key=f"{cfg.storage.models_prefix}/{cfg.pipeline.model_name}/"
                              "{{workflow.name}}")
-    return step(cfg, "convert", "cpu",
-                ["--model", "{{inputs.artifacts.model.path}}",
-                 "--dataset", "{{inputs.artifacts.dataset.path}}",
-                 "--exported", "{{outputs.artifacts.exported.path}}"]
+    return step(cfg, "convert", "cpu", step_command("convert"),
+                args=["--model", "{{inputs.artifacts.model.path}}",
+                      "--dataset", "{{inputs.artifacts.dataset.path}}",
+                      "--exported", "{{outputs.artifacts.exported.path}}"]
                 + flags({"opset": c.opset, "parity_slices": c.parity_slices}),
                 inputs=[Parameter(name="image-tag"), directory("model"), directory("dataset")],
                 outputs=[directory("exported", output=True), release]

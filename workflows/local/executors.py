@@ -1,11 +1,10 @@
-"""Running one container template: as a subprocess here, or as ``docker run``.
+"""Running one process to its end or its deadline, with its output in the pod's log.
 
-- ``subprocess``: the container's ``command`` + ``args`` run in this Python environment
-  (``python`` → this interpreter, the project on ``PYTHONPATH``), in the node directory;
-  container paths were already remapped under it by the runner.
-- ``docker``: the template's image with the node directory's folders bind-mounted at the
-  container paths, ``command[0]`` as the entrypoint, every env variable passed by name
-  (``-e NAME``) so that no value, secret or not, appears on the command line.
+The ``subprocess`` executor runs the container's ``command`` + ``args`` in this Python
+environment (``python`` → this interpreter, the project on ``PYTHONPATH``), in the node
+directory; container paths were already remapped under it by the runner. The container
+executors (:mod:`workflows.local.pods`) run ``podman start --attach`` through the same
+:func:`run`, with a ``stop`` command that kills the container at the deadline.
 """
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import TextIO
 
 from workflows.local.errors import LocalRunError
@@ -37,6 +36,7 @@ class Launch:
     cwd: Path
     log_path: Path
     timeout: float | None = None
+    stop: list[str] | None = None  # run first when stopping (the process is only a client)
 
 
 @dataclass
@@ -67,53 +67,6 @@ def quantity_bytes(text: str, where: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
-def mount_points(paths: list[str], where: str) -> list[str]:
-    """The folders to bind-mount so that every artifact path exists in the container.
-
-    Each path's parent is mounted (an output may be a file or a folder), and a folder that
-    lies inside another mounted folder is covered by it.
-    """
-    parents = sorted({str(PurePosixPath(p).parent) for p in paths})
-    chosen: list[str] = []
-    for parent in parents:
-        if parent == "/":
-            raise LocalRunError(f"{where}: artifact path directly under / cannot be mounted "
-                                "by the docker executor; use a folder such as /data/<name>")
-        if not any(parent == c or parent.startswith(c + "/") for c in chosen):
-            chosen.append(parent)
-    return chosen
-
-
-def docker_argv(image: str, command: list[str], args: list[str], *, name: str,
-                mounts: list[tuple[Path, str]], env_names: list[str],
-                workdir: str | None = None, shm_bytes: int | None = None,
-                gpus: int = 0, hpus: int = 0, network: str | None = "host",
-                user: str | None = None, docker: str = "docker") -> list[str]:
-    argv = [docker, "run", "--rm", "--name", name]
-    if network:
-        argv += ["--network", network]
-    if user:
-        argv += ["--user", user]
-    if shm_bytes:
-        argv += ["--shm-size", str(shm_bytes)]
-    if gpus:
-        argv += ["--gpus", str(gpus)]
-    if hpus:  # Habana's documented docker flags for Gaudi
-        argv += ["--runtime", "habana", "-e", "HABANA_VISIBLE_DEVICES=all",
-                 "--cap-add", "sys_nice", "--ipc", "host"]
-    for host, container in mounts:
-        argv += ["-v", f"{host}:{container}"]
-    for env_name in env_names:
-        argv += ["-e", env_name]
-    if workdir:
-        argv += ["-w", workdir]
-    if command:
-        argv += ["--entrypoint", command[0], image, *command[1:], *args]
-    else:
-        argv += [image, *args]
-    return argv
-
-
 def _pump(stream, log_file, echo: TextIO | None) -> None:
     for chunk in iter(lambda: stream.read1(65536), b""):
         log_file.write(chunk)
@@ -142,16 +95,18 @@ def run(launch: Launch, echo: TextIO | None = None) -> Outcome:
             process.wait(launch.timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-            _stop(process)
+            _stop(process, launch.stop)
         except BaseException:
-            _stop(process)
+            _stop(process, launch.stop)
             raise
         finally:
             pump.join(10)
     return Outcome(process.returncode, time.monotonic() - start, timed_out)
 
 
-def _stop(process: subprocess.Popen) -> None:
+def _stop(process: subprocess.Popen, stop: list[str] | None = None) -> None:
+    if stop:
+        subprocess.run(stop, capture_output=True, timeout=60)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(process.pid, sig)

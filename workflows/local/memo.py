@@ -4,8 +4,12 @@ Argo stores a memoized node's outputs in the ConfigMap ``memoize.cache.configMap
 under the resolved ``memoize.key`` (which must match ``^[a-zA-Z0-9][-a-zA-Z0-9]*$``); a
 later node with the same key, younger than ``maxAge`` (default 30 days), is not run and
 reuses those outputs. Here the entry is an object
-``<MEMO_PREFIX>/<configMap>/<key>.json`` in the artifact bucket, so the cache lives and
-dies with the artifacts it points to. An entry whose artifacts are gone is a miss.
+``<MEMO_PREFIX>/<configMap>/<key>.json`` in the artifact bucket.
+
+As in Argo (``operator.go``: a hit becomes a Succeeded node with the cached outputs; nothing
+checks that the artifacts still exist), an entry whose artifacts were deleted is still a
+hit: the consumer's input then fails to load (``artifact <name> failed to load``), exactly
+where it fails on a cluster.
 """
 from __future__ import annotations
 
@@ -14,7 +18,6 @@ import re
 from datetime import datetime, timezone
 
 from steps import storage
-from steps.artifacts import MANIFEST
 from workflows.local.errors import LocalRunError
 from workflows.local.results import ArtifactRef
 
@@ -34,16 +37,8 @@ def check_key(key: str, where: str) -> str:
     return key
 
 
-def _present(ref: ArtifactRef) -> bool:
-    if ref.kind == "file" or ref.archive == "tar":
-        return storage.exists(ref.uri)
-    if ref.manifest:
-        return storage.exists(f"{ref.uri.rstrip('/')}/{MANIFEST}")
-    return bool(storage.list_keys(ref.uri))
-
-
 def load(bucket: str, configmap: str, key: str, max_age_s: float) -> dict | None:
-    """The cached outputs for ``key`` when fresh and complete, else None (a miss)."""
+    """The cached outputs for ``key`` when fresh, else None (a miss)."""
     uri = _uri(bucket, configmap, key)
     if not storage.exists(uri):
         return None
@@ -54,8 +49,6 @@ def load(bucket: str, configmap: str, key: str, max_age_s: float) -> dict | None
     except (ValueError, KeyError, TypeError):
         return None
     if (datetime.now(timezone.utc) - created).total_seconds() > max_age_s:
-        return None
-    if not all(_present(ref) for ref in refs):
         return None
     entry["lastHitTimestamp"] = datetime.now(timezone.utc).isoformat()
     storage.put_bytes(json.dumps(entry, indent=1).encode(), uri)

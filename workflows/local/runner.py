@@ -16,15 +16,26 @@ What Argo does, and what this does in its place:
   uploaded after it exits 0; container paths in the command are remapped there.
 - **Parameters.** Output parameters are read from ``valueFrom.path`` with one trailing
   newline removed, as Argo's executor does.
-- **Env.** A step gets this machine's environment minus every ``AWS_*`` variable, plus the
-  template's ``env``: a ``secretKeyRef`` resolves from ``secrets`` or, for the S3
-  credentials, from the run's own S3. A template that receives S3 credentials also gets the
-  run's endpoint and region, since locally "the object store" is the run's S3.
+- **Env.** The template's ``env``, with references resolved from a local store that stands
+  in for the cluster's objects: a ``secretKeyRef`` from ``secrets`` or, for the S3
+  credentials, the run's own S3; a ``configMapKeyRef`` from ``configmaps`` or, for
+  ``AWS_ENDPOINT_URL``, the run's S3; an optional reference with no value is left unset. A
+  template that receives S3 credentials talks to the run's S3 (endpoint and region), since
+  locally that is the object store. The ``subprocess`` executor adds this machine's
+  environment minus every ``AWS_*`` variable; a container gets the template's env alone.
+- **Executors.** ``subprocess`` runs the command here with container paths remapped under
+  the pod directory; ``podman`` and ``docker`` run the template in its image as its pod
+  runs (:mod:`workflows.local.pods`).
 - **Retries.** ``retryStrategy.limit`` more attempts, each a fresh pod directory, after
-  ``backoff.duration * factor**n`` (capped by ``cap``, bounded by ``maxDuration``, and
-  multiplied by ``backoff_scale``). ``retryPolicy``: Always retries failures and errors,
-  OnFailure (the default) a non-zero exit, OnError/OnTransientError an error of the runner
-  (artifact transfer, missing output). An ``expression`` over ``lastRetry.*`` must also hold.
+  ``backoff.duration * factor**n`` (capped by ``cap``, multiplied by ``backoff_scale``).
+  ``backoff.maxDuration`` is a deadline from the first attempt's start, as Argo's
+  ``processNodeRetries`` keeps it: no retry once it has passed ("Max duration limit
+  exceeded") or when the wait would pass it, and an attempt after the first is killed when
+  it passes (the wait container's ``ARGO_DEADLINE``). ``retryPolicy``: Always retries
+  failures and errors, OnFailure (the default) a non-zero exit, OnError/OnTransientError an
+  error of the runner (artifact transfer, missing output). An ``expression`` over
+  ``lastRetry.*`` must also hold; ``lastRetry.exitCode`` is ``-1`` for an attempt whose
+  step never ran (an input that failed to load), as in ``buildRetryStrategyLocalScope``.
 - **Memoization.** See :mod:`workflows.local.memo`.
 - **Deadlines.** ``timeout`` and ``activeDeadlineSeconds`` of a template, and the
   Workflow's ``activeDeadlineSeconds``, stop the step process.
@@ -43,15 +54,15 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Mapping, TextIO
 
 from steps.errors import StepError
-from workflows.local import executors, memo, transfer
+from workflows.local import executors, memo, pods, transfer
 from workflows.local.errors import LocalRunError
 from workflows.local.expr import (depends_names, eval_depends, eval_retry, eval_when,
                                   substitute)
 from workflows.local.results import ArtifactRef, ModelLink, NodeResult, RunResult
 from workflows.local.s3target import S3Target, open_target, process_env
-from workflows.local.spec import SHM, check_workflow, template_map
+from workflows.local.spec import check_workflow, template_map
 
-EXECUTORS = ("subprocess", "docker")
+EXECUTORS = ("subprocess", *pods.ENGINES)
 NAME_SUFFIX_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"   # Kubernetes' generateName alphabet
 DEFAULT_BUCKET = "unet-artifacts"
 ECHO_STDERR = object()   # the default for run_workflow(echo=): sys.stderr at call time
@@ -146,11 +157,12 @@ class LocalRun:
                  log: Callable[[str], None], bucket: str | None,
                  parameters: Mapping[str, str] | None,
                  secrets: Mapping[str, Mapping[str, str]] | None,
+                 configmaps: Mapping[str, Mapping[str, str]] | None,
                  key_format: str, backoff_scale: float, echo: TextIO | None,
-                 docker: Mapping[str, Any] | None):
+                 container: Mapping[str, Any] | None):
         if executor not in EXECUTORS:
             raise LocalRunError(f"executor: {executor!r} is not one of {', '.join(EXECUTORS)}")
-        self.notes = check_workflow(workflow)
+        self.notes = check_workflow(workflow, containers=executor != "subprocess")
         self.workflow = workflow
         self.spec = workflow["spec"]
         self.executor = executor
@@ -160,10 +172,13 @@ class LocalRun:
         self.log = log
         self.bucket = bucket or self.env.get("UNET_ARTIFACT_BUCKET") or DEFAULT_BUCKET
         self.secrets = secrets or {}
+        self.configmaps = configmaps or {}
         self.key_format = key_format
         self.backoff_scale = backoff_scale
         self.echo = echo
-        self.docker = dict(docker or {})
+        self.container = dict(container or {})
+        self.engine = pods.Engine(self.container.get("binary", executor)) \
+            if executor != "subprocess" else None
         self.name = workflow_name(workflow.get("metadata") or {})
         self.root = self.run_dir / "runs" / self.name
         self.templates = template_map(workflow)
@@ -469,13 +484,16 @@ class LocalRun:
                   artifacts: dict[str, ArtifactRef | str], node: NodeResult) -> None:
         plan = self._retry_plan(task, inputs)
         first = time.monotonic()
+        # Argo: the StartedAt of attempt (0) plus maxDuration (operator.go processNodeRetries)
+        cutoff = first + plan["max_duration"] if plan.get("max_duration") else None
         for attempt in range(plan["limit"] + 1):
             node_name = f"{self.name}.{task.name}" + (f"({attempt})" if plan["retrying"] else "")
             node.pod_name = pod_name(self.name, node_name, task.template_name)
             node.attempts = attempt + 1
             total = plan["limit"] + 1
             self.log(f"{task.name}: Running (pod {node.pod_name}, attempt {attempt + 1}/{total})")
-            exit_code = self._attempt(task, inputs, artifacts, node, node_name, attempt)
+            exit_code = self._attempt(task, inputs, artifacts, node, node_name, attempt,
+                                      cutoff if attempt else None)
             if node.phase == "Succeeded":
                 self.log(f"{task.name}: Succeeded in {time.monotonic() - first:.1f} s "
                          f"(the step itself {node.step_seconds:.1f} s)")
@@ -487,10 +505,15 @@ class LocalRun:
             wait = plan["duration"] * plan["factor"] ** attempt
             if plan["cap"] is not None:
                 wait = min(wait, plan["cap"])
-            if plan["max_duration"] is not None and \
-                    time.monotonic() - first + wait > plan["max_duration"]:
-                self.log(f"{task.name}: not retried: backoff maxDuration "
-                         f"{plan['max_duration']:.0f} s reached")
+            if cutoff is not None and time.monotonic() >= cutoff:
+                node.message += "; Max duration limit exceeded"
+                self.log(f"{task.name}: not retried: Max duration limit exceeded "
+                         f"(backoff maxDuration {plan['max_duration']:.0f} s)")
+                return
+            if cutoff is not None and time.monotonic() + wait > cutoff:
+                node.message += "; Backoff would exceed max duration limit"
+                self.log(f"{task.name}: not retried: Backoff would exceed max duration limit "
+                         f"(backoff maxDuration {plan['max_duration']:.0f} s)")
                 return
             wait *= self.backoff_scale
             self.log(f"{task.name}: retrying in {wait:.1f} s")
@@ -501,7 +524,7 @@ class LocalRun:
         ok = (policy == "Always" or (policy == "OnFailure" and node.phase == "Failed")
               or (policy in ("OnError", "OnTransientError") and node.phase == "Error"))
         if ok and plan["expression"]:
-            last = {"exitCode": "" if exit_code is None else str(exit_code),
+            last = {"exitCode": "-1" if exit_code is None else str(exit_code),
                     "status": node.phase, "message": node.message,
                     "duration": f"{node.seconds:.0f}"}
             ok = eval_retry(plan["expression"], last, f"{plan['where']}.expression")
@@ -509,8 +532,9 @@ class LocalRun:
 
     def _attempt(self, task: _Task, inputs: dict[str, str],
                  artifacts: dict[str, ArtifactRef | str], node: NodeResult,
-                 node_name: str, attempt: int) -> int | None:
-        """One pod's worth: inputs in, the step, outputs out. Sets node.phase; returns rc."""
+                 node_name: str, attempt: int, cutoff: float | None) -> int | None:
+        """One pod's worth: inputs in, the step, outputs out. Sets node.phase; returns rc
+        (None when the step never ran). ``cutoff``: the retry deadline (monotonic)."""
         pod_dir = self.root / node.pod_name
         if pod_dir.exists():
             shutil.rmtree(pod_dir)
@@ -524,15 +548,30 @@ class LocalRun:
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     dest.write_text(ref)
                 else:
-                    transfer.download_input(ref, dest)
+                    try:
+                        transfer.download_input(ref, dest)
+                    except StepError as exc:  # Argo's init container: the node is an Error
+                        raise LocalRunError(f"artifact {name} failed to load: {exc}") from None
                     self.log(f"{task.name}:   {name} ← {ref.uri}")
-            outcome = executors.run(plan["launch"], self.echo)
+            deadline = plan["timeout"]
+            if cutoff is not None:
+                left = max(cutoff - time.monotonic(), 0.001)
+                deadline = left if deadline is None else min(deadline, left)
+            if self.engine is None:
+                launch = plan["launch"]
+                launch.timeout = deadline
+                outcome = executors.run(launch, self.echo)
+            else:
+                outcome = pods.run(self.engine, plan["pod"], plan["host"], pod_dir / "main.log",
+                                   deadline, self.echo)
         except StepError as exc:
             node.phase, node.message = "Error", self._scrub(str(exc))
             return None
         node.step_seconds += outcome.seconds
         if outcome.timed_out:
-            node.phase, node.message = "Failed", f"timed out after {outcome.seconds:.0f} s"
+            why = ("Step exceeded its deadline (retry maxDuration)"
+                   if cutoff is not None and time.monotonic() >= cutoff else "timed out")
+            node.phase, node.message = "Failed", f"{why} after {outcome.seconds:.0f} s"
             return outcome.returncode
         if outcome.returncode != 0:
             node.phase = "Failed"
@@ -556,25 +595,35 @@ class LocalRun:
                  "pod.name": node.pod_name, "node.name": node_name, "retries": str(attempt)}
         paths = self._container_paths(template, scope, where)
         host = lambda p: pod_dir / p.lstrip("/")  # noqa: E731
-        docker = self.executor == "docker"
-        local = {k: (v if docker else str(host(v))) for k, v in paths["scope"].items()}
+        in_image = self.engine is not None
+        local = {k: (v if in_image else str(host(v))) for k, v in paths["scope"].items()}
         scope.update(local)
         container = template["container"]
         command, args = container.get("command") or [], container.get("args") or []
-        if not docker:  # literal container paths first; placeholders resolve to host paths
+        if not in_image:  # literal container paths first; placeholders resolve to host paths
             known = sorted(paths["all"], key=len, reverse=True)
             command, args = (self._remap(x, known, host) for x in (command, args))
         command = substitute(command, scope, f"{where}.container.command")
         args = substitute(args, scope, f"{where}.container.args")
-        for path in paths["outputs"].values():
-            host(path).parent.mkdir(parents=True, exist_ok=True)
+        if not in_image:  # a container's outputs are copied out of it after the step
+            for path in paths["outputs"].values():
+                host(path).parent.mkdir(parents=True, exist_ok=True)
         env = self._env(template, scope, where)
         key_prefix = substitute(self.key_format, scope, "artifact repository keyFormat")
-        launch = self._launch(task, template, scope, command, args, env, paths, host, pod_dir,
-                              where)
-        return {"host": host, "inputs": paths["inputs"], "outputs": paths["outputs"],
+        plan = {"host": host, "inputs": paths["inputs"], "outputs": paths["outputs"],
                 "params": paths["params"], "scope": scope, "key_prefix": key_prefix,
-                "launch": launch}
+                "timeout": self._timeout(template, scope, where)}
+        if in_image:
+            plan["pod"] = self._pod(template, scope, command, args, env, paths, host, where)
+            stale = self.engine.stale(plan["pod"].image)
+            if stale:
+                self.note(stale)
+        else:
+            base = {k: v for k, v in self.env.items() if not k.startswith("AWS_")}
+            plan["launch"] = executors.Launch(
+                executors.subprocess_argv(command + args),
+                executors.with_project_path({**base, **env}), pod_dir, pod_dir / "main.log")
+        return plan
 
     def _container_paths(self, template: dict, scope: dict, where: str) -> dict[str, Any]:
         """Container paths of input/output artifacts and output parameters, resolved."""
@@ -621,13 +670,13 @@ class LocalRun:
         return [one(item) for item in items]
 
     def _env(self, template: dict, scope: dict, where: str) -> dict[str, str]:
-        """The template's env, secrets resolved; S3 users get the run's endpoint/region."""
+        """The template's env, references resolved; S3 users get the run's endpoint/region."""
         env: dict[str, str] = {}
         for item in template["container"].get("env") or []:
             name = item["name"]
             ewhere = f"{where}.container.env[{name}]"
             if "valueFrom" in item:
-                value = self._secret(name, item["valueFrom"]["secretKeyRef"], ewhere)
+                value = self._reference(name, item["valueFrom"], ewhere)
                 if value is not None:
                     env[name] = value
             else:
@@ -639,56 +688,48 @@ class LocalRun:
                       "AWS_REGION point at this run's S3")
         return env
 
-    def _secret(self, env_name: str, ref: dict, where: str) -> str | None:
-        secret, key = ref.get("name", ""), ref.get("key", "")
-        if key in (self.secrets.get(secret) or {}):
-            return str(self.secrets[secret][key])
-        own = {"AWS_ACCESS_KEY_ID": self.target.access_key,
-               "AWS_SECRET_ACCESS_KEY": self.target.secret_key}
+    def _reference(self, env_name: str, source: dict, where: str) -> str | None:
+        """A secretKeyRef or configMapKeyRef from the local store; the run's S3 stands in for
+        the cluster's credentials Secret and storage ConfigMap."""
+        if "secretKeyRef" in source:
+            kind, ref, store, arg = "Secret", source["secretKeyRef"], self.secrets, "secrets="
+            own = {"AWS_ACCESS_KEY_ID": self.target.access_key,
+                   "AWS_SECRET_ACCESS_KEY": self.target.secret_key}
+        else:
+            kind, ref, store, arg = ("ConfigMap", source["configMapKeyRef"], self.configmaps,
+                                     "configmaps=")
+            own = {"AWS_ENDPOINT_URL": self.target.endpoint}
+        name, key = ref.get("name", ""), ref.get("key", "")
+        if key in (store.get(name) or {}):
+            return str(store[name][key])
         if env_name in own:
             return own[env_name]
         if ref.get("optional"):
             return None
-        raise LocalRunError(f"{where}: secret {secret!r} key {key!r} has no local value "
-                            "(pass it in secrets=)")
+        raise LocalRunError(f"{where}: {kind} {name!r} key {key!r} has no local value "
+                            f"(pass it in {arg})")
 
-    def _launch(self, task: _Task, template: dict, scope: dict, command: list[str],
-                args: list[str], env: dict[str, str], paths: dict, host, pod_dir: Path,
-                where: str) -> executors.Launch:
-        base = {k: v for k, v in self.env.items() if not k.startswith("AWS_")}
-        timeout = self._timeout(template, scope, where)
-        log_path = pod_dir / "main.log"
-        if self.executor == "subprocess":
-            return executors.Launch(executors.subprocess_argv(command + args),
-                                    executors.with_project_path({**base, **env}), pod_dir,
-                                    log_path, timeout)
-        mounts = [(host(p), p) for p in executors.mount_points(paths["all"], where)]
-        for folder, _ in mounts:
-            folder.mkdir(parents=True, exist_ok=True)
+    def _pod(self, template: dict, scope: dict, command: list[str], args: list[str],
+             env: dict[str, str], paths: dict, host, where: str) -> pods.Pod:
         container = template["container"]
-        image = substitute(container["image"], scope, f"{where}.container.image")
         limits = {**((container.get("resources") or {}).get("requests") or {}),
                   **((container.get("resources") or {}).get("limits") or {})}
-        shm = self._shm_bytes(template, where)
-        argv = executors.docker_argv(
-            image, command, args, name=scope["pod.name"], mounts=mounts,
-            env_names=sorted(env), workdir=container.get("workingDir"), shm_bytes=shm,
+        user, groups = pods.security(self.spec, template, where)
+        optional = {paths["outputs"][a["name"]] for a in (template.get("outputs") or {}).get(
+            "artifacts") or [] if a.get("optional")}
+        return pods.Pod(
+            name=scope["pod.name"],
+            image=substitute(container["image"], scope, f"{where}.container.image"),
+            pull_policy=container.get("imagePullPolicy", "IfNotPresent"),
+            command=command, args=args, env=env,
+            volumes=pods.volumes(self.spec, template, where),
+            inputs={path: host(path) for path in paths["inputs"].values()},
+            outputs=[*paths["outputs"].values(), *paths["params"].values()],
+            optional_outputs=optional, user=user, groups=groups,
+            workdir=container.get("workingDir"),
             gpus=int(limits.get("nvidia.com/gpu", 0) or 0),
             hpus=int(limits.get("habana.ai/gaudi", 0) or 0),
-            network=self.docker.get("network", "host"),
-            user=self.docker.get("user", f"{os.getuid()}:{os.getgid()}"),
-            docker=self.docker.get("binary", "docker"))
-        return executors.Launch(argv, {**base, **env}, pod_dir, log_path, timeout)
-
-    def _shm_bytes(self, template: dict, where: str) -> int | None:
-        volumes = {v["name"]: v for v in (self.spec.get("volumes") or [])
-                   + (template.get("volumes") or [])}
-        for mount in template["container"].get("volumeMounts") or []:
-            if mount.get("mountPath") == SHM:
-                size = (volumes.get(mount["name"], {}).get("emptyDir") or {}).get("sizeLimit")
-                if size:
-                    return executors.quantity_bytes(size, f"{where}.volumes[{mount['name']}]")
-        return None
+            network=self.container.get("network", "host"))
 
     def _timeout(self, template: dict, scope: dict, where: str) -> float | None:
         limits = []
@@ -837,8 +878,8 @@ def validate_workflow(workflow: dict, parameters: Mapping[str, str] | None = Non
     """
     run = LocalRun(workflow, executor="subprocess", run_dir=Path("."), output_dir=None,
                    env={}, log=lambda _: None, bucket=None, parameters=parameters,
-                   secrets=None, key_format=transfer.DEFAULT_KEY_FORMAT, backoff_scale=1.0,
-                   echo=None, docker=None)
+                   secrets=None, configmaps=None, key_format=transfer.DEFAULT_KEY_FORMAT,
+                   backoff_scale=1.0, echo=None, container=None)
     return _grouped(run.notes)
 
 
@@ -848,9 +889,10 @@ def run_workflow(workflow: dict, *, executor: str = "subprocess",
                  log: Callable[[str], None] = _stderr, bucket: str | None = None,
                  parameters: Mapping[str, str] | None = None,
                  secrets: Mapping[str, Mapping[str, str]] | None = None,
+                 configmaps: Mapping[str, Mapping[str, str]] | None = None,
                  key_format: str = transfer.DEFAULT_KEY_FORMAT, backoff_scale: float = 1.0,
                  echo: TextIO | None | object = ECHO_STDERR,
-                 docker: Mapping[str, Any] | None = None) -> RunResult:
+                 container: Mapping[str, Any] | None = None) -> RunResult:
     """Run the compiled Workflow ``workflow`` (the dict ``render`` prints) on this machine.
 
     ``run_dir`` holds ``runs/<workflow>/<pod>/`` (each pod's files and ``main.log``),
@@ -858,9 +900,10 @@ def run_workflow(workflow: dict, *, executor: str = "subprocess",
     ``AWS_ENDPOINT_URL`` is not set in ``env`` (default: this process's environment).
     ``bucket`` is the artifact bucket (default $UNET_ARTIFACT_BUCKET or unet-artifacts),
     created if missing. ``parameters`` override workflow parameters as ``argo submit -p``
-    does. ``secrets`` maps Secret name → key → value for ``secretKeyRef``. ``echo`` gets the
-    steps' output (default: stderr; None: only the pod logs). ``docker`` tunes the docker executor
-    (``network``, ``user``, ``binary``). Anything in the Workflow the runner cannot honour
+    does. ``secrets`` maps Secret name → key → value for ``secretKeyRef``, ``configmaps`` the
+    same for ``configMapKeyRef``. ``executor`` is ``subprocess``, ``podman`` or ``docker``;
+    ``container`` tunes the last two (``network``, default host; ``binary``). ``echo`` gets
+    the steps' output (default: stderr; None: only the pod logs). Anything in the Workflow the runner cannot honour
     raises :class:`LocalRunError` before a step runs; a failed step gives a RunResult with
     ``phase == "Failed"`` and ``exit_code == 1``. While it runs, this process's ``AWS_*``
     variables point at the run's S3 (for :mod:`steps.storage`); they are restored after.
@@ -870,6 +913,6 @@ def run_workflow(workflow: dict, *, executor: str = "subprocess",
     run = LocalRun(workflow, executor=executor, run_dir=Path(run_dir),
                    output_dir=Path(output_dir) if output_dir else None, env=env, log=log,
                    bucket=bucket, parameters=parameters, secrets=secrets,
-                   key_format=key_format, backoff_scale=backoff_scale, echo=echo,
-                   docker=docker)
+                   configmaps=configmaps, key_format=key_format,
+                   backoff_scale=backoff_scale, echo=echo, container=container)
     return run.run()

@@ -8,16 +8,19 @@ templates. :func:`check_workflow` walks every key before anything runs:
   what a step computes or which artifacts it exchanges. Each one yields a logged note:
   scheduling (``nodeSelector``, ``tolerations``, ``affinity``, ``priorityClassName``,
   ``schedulerName``), identity and pod security (``serviceAccountName``,
-  ``securityContext``, ``imagePullSecrets``), ``resources`` (a subprocess takes what the
-  machine has; the docker executor maps GPU/HPU requests), cleanup of cluster objects
-  (``podGC``, ``ttlStrategy``, ``artifactGC``), controller observability (``metrics``,
-  ``archiveLogs``: logs stay in the run directory), ``parallelism`` and
-  ``synchronization`` (tasks run one at a time here anyway), labels and annotations, an
-  ``emptyDir`` at ``/dev/shm`` (the host's own /dev/shm serves) and a ``HugePages``
-  ``emptyDir`` (the host's huge pages serve);
+  ``securityContext`` under the subprocess executor, ``imagePullSecrets``), ``resources``
+  (a subprocess takes what the machine has; the container executors map GPU/HPU requests and
+  /dev/shm), cleanup of cluster objects (``podGC``, ``ttlStrategy``, ``artifactGC``),
+  controller observability (``metrics``, ``archiveLogs``: logs stay in the run directory),
+  ``parallelism`` and ``synchronization`` (tasks run one at a time here anyway), labels and
+  annotations, an ``emptyDir`` at ``/dev/shm`` under the subprocess executor (the host's own
+  /dev/shm serves) and a ``HugePages`` ``emptyDir`` (the host's huge pages serve);
+- a disk ``emptyDir`` at any path is handled: a folder of the pod directory for a
+  subprocess, a volume of the container's for podman and docker, which also honour the
+  ``securityContext`` users;
 - **everything else is refused** with one line naming the field, e.g. ``script``,
   ``steps`` and ``resource`` templates, ``sidecars``, ``podSpecPatch``, exit handlers,
-  loops, other volume mounts, ``envFrom``, ``continueOn``, workflow-level artifacts,
+  loops, other volume kinds, ``envFrom``, ``continueOn``, workflow-level artifacts,
   zip archives. Nothing is silently dropped.
 """
 from __future__ import annotations
@@ -35,7 +38,7 @@ _WHY = {
     "observability": "controller observability; logs and results stay in the run directory",
     "concurrency": "concurrency limits; the local runner runs one task at a time",
     "labels": "labels and annotations on cluster objects",
-    "resources": "pod resources; a subprocess uses what this machine has",
+    "resources": "pod cpu and memory; a step uses what this machine has",
 }
 
 # Ignored keys and why ignoring them is safe locally.
@@ -136,8 +139,10 @@ def template_map(workflow: dict) -> dict[str, dict]:
     return by_name
 
 
-def check_workflow(workflow: Any) -> list[str]:
-    """Refuse anything the runner cannot run; return notes about what it ignores."""
+def check_workflow(workflow: Any, containers: bool = False) -> list[str]:
+    """Refuse anything the runner cannot run; return notes about what it ignores.
+
+    ``containers``: the run uses a container executor, which honours securityContext."""
     if not isinstance(workflow, dict):
         raise LocalRunError("workflow: expected the compiled Workflow as a mapping")
     if workflow.get("apiVersion") != "argoproj.io/v1alpha1" or workflow.get("kind") != "Workflow":
@@ -151,7 +156,8 @@ def check_workflow(workflow: Any) -> list[str]:
     if not (metadata.get("name") or metadata.get("generateName")):
         raise LocalRunError("metadata: needs name or generateName")
     spec = workflow.get("spec")
-    _check_keys(spec, "spec", _HANDLED_SPEC, _IGNORED_SPEC, notes)
+    honoured = {"securityContext"} if containers else set()
+    _check_keys(spec, "spec", _HANDLED_SPEC | honoured, _IGNORED_SPEC, notes)
     _check_parameters(spec.get("arguments") or {}, "spec.arguments", notes)
     templates = template_map(workflow)
     entry = spec.get("entrypoint")
@@ -162,7 +168,7 @@ def check_workflow(workflow: Any) -> list[str]:
     volumes = _volume_kinds(spec, "spec", notes)
     for name, template in templates.items():
         path = f"spec.templates[{name}]"
-        _check_keys(template, path, _TEMPLATE_HANDLED, _TEMPLATE_IGNORED, notes)
+        _check_keys(template, path, _TEMPLATE_HANDLED | honoured, _TEMPLATE_IGNORED, notes)
         if "dag" in template:
             if name != entry:
                 raise LocalRunError(f"{path}.dag: only the entrypoint may be a dag "
@@ -170,7 +176,7 @@ def check_workflow(workflow: Any) -> list[str]:
             _check_dag(template["dag"], f"{path}.dag", templates, entry)
         elif "container" in template:
             _check_container(template, path, {**volumes, **_volume_kinds(template, path, notes)},
-                             notes)
+                             notes, containers)
         else:
             raise LocalRunError(f"{path}: neither a container nor a dag template")
     return list(dict.fromkeys(notes))
@@ -223,10 +229,11 @@ def _check_dag(dag: dict, path: str, templates: dict[str, dict], entry: str) -> 
 
 
 def _check_container(template: dict, path: str, volumes: dict[str, str],
-                     notes: list[str]) -> None:
+                     notes: list[str], containers: bool) -> None:
     container = template["container"]
     cpath = f"{path}.container"
-    _check_keys(container, cpath, _CONTAINER_HANDLED, _CONTAINER_IGNORED, notes)
+    honoured = {"securityContext", "imagePullPolicy"} if containers else set()
+    _check_keys(container, cpath, _CONTAINER_HANDLED | honoured, _CONTAINER_IGNORED, notes)
     if not container.get("image"):
         raise LocalRunError(f"{cpath}.image: missing")
     if not container.get("command") and not container.get("args"):
@@ -234,14 +241,17 @@ def _check_container(template: dict, path: str, volumes: dict[str, str],
                             "image's entrypoint)")
     if "workingDir" in container:
         notes.append(f"{cpath}.workingDir: a subprocess runs in the node directory with the "
-                     "project on PYTHONPATH; the docker executor uses workingDir")
+                     "project on PYTHONPATH; the container executors use workingDir")
     for env in container.get("env") or []:
         where = f"{cpath}.env[{env.get('name')}]"
         _check_keys(env, where, {"name", "value", "valueFrom"})
         if "valueFrom" in env:
-            _check_keys(env["valueFrom"], f"{where}.valueFrom", {"secretKeyRef"})
-            _check_keys(env["valueFrom"]["secretKeyRef"], f"{where}.valueFrom.secretKeyRef",
-                        {"name", "key", "optional"})
+            source = env["valueFrom"]
+            _check_keys(source, f"{where}.valueFrom", {"secretKeyRef", "configMapKeyRef"})
+            if len(source) != 1:
+                raise LocalRunError(f"{where}.valueFrom: expected exactly one reference")
+            for kind, ref in source.items():
+                _check_keys(ref, f"{where}.valueFrom.{kind}", {"name", "key", "optional"})
     for mount in container.get("volumeMounts") or []:
         where = f"{cpath}.volumeMounts[{mount.get('name')}]"
         kind = volumes.get(mount.get("name"))
@@ -249,14 +259,18 @@ def _check_container(template: dict, path: str, volumes: dict[str, str],
             raise LocalRunError(f"{where}: volume {mount.get('name')!r} is not declared")
         medium = (volumes.get(f"{mount.get('name')}:medium") or "")
         if kind == "emptyDir" and mount.get("mountPath") == SHM:
-            notes.append(f"ignoring {where} (an emptyDir at {SHM}: the host's {SHM} serves)")
+            if not containers:
+                notes.append(f"ignoring {where} (an emptyDir at {SHM}: the host's {SHM} "
+                             "serves)")
         elif kind == "emptyDir" and medium == "HugePages":
             notes.append(f"ignoring {where} (a HugePages emptyDir: the host's huge pages "
                          "serve)")
-        else:
-            raise LocalRunError(f"{where}: only an emptyDir at {SHM} or a HugePages emptyDir "
-                                f"can be mapped locally (got {kind} at "
-                                f"{mount.get('mountPath')})")
+        elif kind != "emptyDir" or medium:
+            raise LocalRunError(f"{where}: only emptyDir volumes can be made locally (on disk "
+                                f"anywhere, Memory at {SHM}, or HugePages); got "
+                                f"{kind}{' ' + medium if medium else ''} at "
+                                f"{mount.get('mountPath')}")
+        _check_keys(mount, where, {"name", "mountPath", "readOnly"})
     _check_io(template, path, notes)
     if "retryStrategy" in template:
         retry = template["retryStrategy"]

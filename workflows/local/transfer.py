@@ -5,8 +5,11 @@ Argo's executor (``SaveArtifacts``) names an output artifact without an explicit
 ``{{workflow.name}}/{{pod.name}}`` and ``<file>`` is the path's base name for
 ``archive: {none: {}}`` or ``<artifact>.tgz`` for the default tar+gzip archive. An explicit
 ``s3.key`` on the artifact is used as it is. A directory stored with ``archive: none`` is
-a key prefix holding its files; a tar archive holds the path's base name as its top entry.
-All S3 calls go through :mod:`steps.storage`.
+a key prefix holding its regular files (Argo's ``PutDirectory`` in
+``workflow/artifacts/s3/s3.go`` skips directories and links, so an empty directory stores
+nothing); loading tries the key as one object first, then as a prefix, and a prefix with no
+object is not found, as in Argo's ``loadS3Artifact``. A tar archive holds the path's base
+name as its top entry. All S3 calls go through :mod:`steps.storage`.
 """
 from __future__ import annotations
 
