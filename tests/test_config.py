@@ -100,3 +100,47 @@ def test_cli_reports_bad_config_in_one_line_without_traceback():
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "train.fold" in lines[0] and "Traceback" not in proc.stderr
+
+
+# ---- config values are data, never template (issue 14, point 4) ------------------------------
+HOSTILE = [
+    ("download.source=https://x/{{=sprig.env('ARGO_TOKEN')}}", "download.source: must not contain '{{'"),
+    ("storage.models_prefix=../../etc", "storage.models_prefix: must be a key prefix without"),
+    ("storage.checkpoint_prefix=/abs", "storage.checkpoint_prefix: must match"),
+    ('resources.extra_env={"A B": "1"}', "resources.extra_env.A B"),
+    ("resources.extra_env={X: '}}'}", "resources.extra_env.X: must not contain"),
+    ("storage.bucket=a{b}c", "storage.bucket: must match"),
+    ("storage.bucket=Upper", "storage.bucket: must match"),
+    ("storage.endpoint=http://minio:9000/{{workflow.name}}", "storage.endpoint"),
+    ("storage.region=us east", "storage.region: must match"),
+    ("images.cpu.tag=0.1.0}}", "images.cpu.tag: must match"),
+    ("images.cpu.repository=Registry/x", "images.cpu.repository: must match"),
+    ("train.resume_from=file:///tmp/ck", "train.resume_from: must match"),
+    ("download.source=not a uri", "download.source: must match"),
+    ("resources.train.node_selector={'a b': x}", "resources.train.node_selector"),
+]
+
+
+@pytest.mark.parametrize("override,needle", HOSTILE, ids=[h[0][:40] for h in HOSTILE])
+def test_values_that_would_become_template_or_bad_names_are_refused(override, needle):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[override])
+    message = str(info.value)
+    assert needle in message and "\n" not in message
+
+
+def test_control_characters_are_refused_and_escaped_in_the_line():
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=['resources.extra_env={X: "a\\u0007b"}'])
+    assert "control characters" in str(info.value) and "\\x07" in str(info.value)
+    assert "\x07" not in str(info.value)
+
+
+def test_lint_refuses_what_render_refuses():
+    for command in ("render", "lint"):
+        proc = subprocess.run([sys.executable, "workflows/unet.py", command, "-p",
+                               "storage.models_prefix=../x"], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 2 and "storage.models_prefix" in proc.stderr, command
+        assert proc.stdout == ""
+

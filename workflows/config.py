@@ -14,10 +14,11 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Annotated, Any, Literal, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator
 
 from steps.errors import StepError
 
@@ -28,6 +29,33 @@ _QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
 _DURATION = r"^[0-9]+(s|m|h)$"
 _UNITS_S = {"s": 1, "m": 60, "h": 3600}
 _NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# Config values reach the compiled YAML as data. Each kind has its own rule (the names of
+# S3, Kubernetes and the OCI distribution spec), and no value at all may hold an Argo
+# template ({{ }}) or a control character: see _check_values.
+_BUCKET = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"           # S3 bucket naming rules
+_KEY_PREFIX = r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$"      # S3 key segments, no leading /
+_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+_DATA_KEY = r"^[-._a-zA-Z0-9]+$"                           # a Secret or ConfigMap key
+_REGION = r"^[a-z]{2}(-[a-z]+)+-[0-9]+$"
+_REPOSITORY = r"^[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)+$"
+_TAG = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$"
+_URI = r"^[a-z][a-z0-9+.-]*://\S*$"
+_LABEL_KEY = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+_LABEL_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
+_TEMPLATE = re.compile(r"\{\{|\}\}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _no_dot_segments(value: str) -> str:
+    if any(part in (".", "..") for part in value.split("/")):
+        raise ValueError("a key prefix without '.' or '..' segments")
+    return value
+
+
+KeyPrefix = Annotated[str, Field(pattern=_KEY_PREFIX), AfterValidator(_no_dot_segments)]
+EnvName = Annotated[str, Field(pattern=_ENV_NAME)]
+LabelKey = Annotated[str, Field(pattern=_LABEL_KEY)]
+LabelValue = Annotated[str, Field(pattern=_LABEL_VALUE)]
 
 
 class ConfigError(StepError):
@@ -54,8 +82,8 @@ class Pipeline(_Strict):
 
 
 class Image(_Strict):
-    repository: str = Field(min_length=1)
-    tag: str = Field(min_length=1)
+    repository: str = Field(pattern=_REPOSITORY, description="registry/path, lower case")
+    tag: str = Field(pattern=_TAG)
 
 
 class Images(_Strict):
@@ -67,21 +95,22 @@ class Images(_Strict):
 
 class Storage(_Strict):
     artifact_repository_configmap: str = Field("artifact-repositories", pattern=_NAME)
-    artifact_repository_key: str = Field("default-v1", min_length=1)
-    bucket: str = Field("unet-artifacts", min_length=3, max_length=63)
-    endpoint: str = Field("", description="S3 endpoint for the checkpoint store; empty: the "
-                                          "settings ConfigMap's, else AWS")
-    region: str = "us-east-1"
+    artifact_repository_key: str = Field("default-v1", pattern=_DATA_KEY)
+    bucket: str = Field("unet-artifacts", pattern=_BUCKET)
+    endpoint: str = Field("", pattern=r"^(https?://[A-Za-z0-9.-]+(:[0-9]+)?/?)?$",
+                          description="S3 endpoint for the checkpoint store; empty: the "
+                                      "settings ConfigMap's, else AWS")
+    region: str = Field("us-east-1", pattern=_REGION)
     settings_configmap: str = Field("unet-storage", pattern=_NAME,
                                     description="ConfigMap (made by the overlay) whose key "
                                                 "'endpoint' is the cluster's S3 endpoint")
     credentials_secret: str = Field("unet-s3-credentials", pattern=_NAME,
                                     description="optional Secret with the S3 keys; absent: "
                                                 "the SDK's chain (IRSA)")
-    access_key_key: str = "accessKey"
-    secret_key_key: str = "secretKey"
-    checkpoint_prefix: str = "checkpoints"
-    models_prefix: str = "models"
+    access_key_key: str = Field("accessKey", pattern=_DATA_KEY)
+    secret_key_key: str = Field("secretKey", pattern=_DATA_KEY)
+    checkpoint_prefix: KeyPrefix = "checkpoints"
+    models_prefix: KeyPrefix = "models"
 
 
 class Memoize(_Strict):
@@ -99,7 +128,7 @@ class Retry(_Strict):
 
 
 class Download(_Strict):
-    source: str = Field(min_length=1)
+    source: str = Field(pattern=_URI)
     md5: str = Field("", pattern=r"^([0-9a-f]{32})?$")
 
 
@@ -133,7 +162,8 @@ class Train(_Strict):
     hpu_mode: Literal["compile", "lazy", "eager"] = "compile"
     checkpoint_minutes: float = Field(10, gt=0)
     resume: Literal["auto", "never"] = "auto"
-    resume_from: str = ""
+    resume_from: str = Field("", pattern=r"^(s3://\S+)?$",
+                             description="s3:// checkpoints of an earlier run, or empty")
 
 
 class Convert(_Strict):
@@ -142,9 +172,9 @@ class Convert(_Strict):
 
 
 class Toleration(_Strict):
-    key: str
+    key: LabelKey
     operator: Literal["Exists", "Equal"] = "Exists"
-    value: str | None = None
+    value: LabelValue | None = None
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
 
 
@@ -169,7 +199,7 @@ class TrainResources(_Strict):
     memory: str = Field("500Gi", pattern=_QUANTITY)
     hugepages_2mi: str = Field("30000Mi", pattern=_QUANTITY)
     shm_size: str = Field("64Gi", pattern=_QUANTITY)
-    node_selector: dict[str, str] = {}
+    node_selector: dict[LabelKey, LabelValue] = {}
     tolerations: list[Toleration] = []
 
 
@@ -182,7 +212,8 @@ class Resources(_Strict):
     handoff: StepResources = Field(StepResources(cpu="1", memory="2Gi", timeout="2h"),
                                    description="multi-node only: share-dataset, collect-model")
     train: TrainResources = TrainResources()
-    extra_env: dict[str, str] = Field({}, description="literal env for every step (tuning)")
+    extra_env: dict[EnvName, str] = Field({}, description="literal env for every step "
+                                                          "(tuning)")
 
 
 class Config(_Strict):
@@ -275,6 +306,8 @@ def _one_line(error: ValidationError, source: str) -> ConfigError:
         return ConfigError(f"{source}: {loc}: required key is missing")
     message = first["msg"]
     message = re.sub(r"^(Value error, |Input should be )", "", message)
+    if first["type"] == "string_pattern_mismatch":
+        message = f"must match {first['ctx']['pattern']}"
     got = first.get("input")
     shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
     return ConfigError(f"{source}: {loc}: must be {message}{shown}".replace("must be must",
@@ -337,7 +370,34 @@ def _check_profiles(raw: dict, profiles: dict, source: str) -> None:
         raise ConfigError(f"{source}: local_profile: names unknown profile '{local}'")
 
 
+def _strings(node: Any, path: str) -> Any:
+    """(dotted key, text) for every key and string value under ``node``."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            where = f"{path}.{key}" if path else str(key)
+            yield where, str(key)
+            yield from _strings(value, where)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _strings(value, f"{path}[{i}]")
+    elif isinstance(node, str):
+        yield path, node
+
+
+def _check_values(config: Config, source: str) -> None:
+    """No value is an Argo template or holds a control character: every value reaches the
+    compiled YAML as data, where ``{{...}}`` would be evaluated by the controller."""
+    for where, text in _strings(config.model_dump(exclude={"profiles"}), ""):
+        if _TEMPLATE.search(text):
+            raise ConfigError(f"{source}: {where}: must not contain '{{{{' or '}}}}' (config "
+                              f"values are data, never Argo template; got {text[:80]!r})")
+        if _CONTROL.search(text):
+            raise ConfigError(f"{source}: {where}: must not contain control characters "
+                              f"(got {text[:80]!r})")
+
+
 def _check_consistency(config: Config, source: str) -> None:
+    _check_values(config, source)
     train = config.train
     if train.min_epochs > train.max_epochs:
         raise ConfigError(f"{source}: train.min_epochs: must be <= train.max_epochs "
