@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Sequence
+from typing import Annotated, Any, Iterator, Literal, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -370,7 +370,7 @@ def _check_profiles(raw: dict, profiles: dict, source: str) -> None:
         raise ConfigError(f"{source}: local_profile: names unknown profile '{local}'")
 
 
-def _strings(node: Any, path: str) -> Any:
+def _strings(node: Any, path: str) -> Iterator[tuple[str, str]]:
     """(dotted key, text) for every key and string value under ``node``."""
     if isinstance(node, dict):
         for key, value in node.items():

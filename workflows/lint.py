@@ -16,7 +16,7 @@ from typing import Iterable, Iterator
 import yaml
 from hera.workflows import Workflow, WorkflowTemplate
 
-from workflows.pod_rules import pod_rules
+from workflows.pod_rules import pod_rules, pytorch_jobs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VALIDATOR = REPO_ROOT.parent / "shared" / "tools" / "validate_argo.py"
@@ -100,11 +100,7 @@ def crd(doc: dict) -> list[str] | None:
     if validator is None:
         return None
     problems = []
-    for tmpl in doc["spec"]["templates"]:
-        manifest = (tmpl.get("resource") or {}).get("manifest")
-        job = yaml.safe_load(manifest) if manifest else None
-        if not (isinstance(job, dict) and job.get("kind") == "PyTorchJob"):
-            continue
+    for tmpl, job in pytorch_jobs(doc):
         for e in sorted(validator.iter_errors(job), key=lambda e: list(e.absolute_path)):
             where = "/".join(map(str, e.absolute_path)) or "<root>"
             problems.append(f"crd: template {tmpl['name']} PyTorchJob at {where}: "

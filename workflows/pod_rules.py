@@ -29,58 +29,54 @@ from typing import Iterator
 
 import yaml
 
+from workflows.local.runner import duration_seconds
+
 OVERLAYS = Path(__file__).resolve().parent.parent / "manifests" / "overlays"
 WRITABLE_VOLUMES = ("emptyDir", "persistentVolumeClaim", "ephemeral")
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(h|m|s)")
 _OUTPUT_PATH = re.compile(r"\{\{\s*outputs\.artifacts\.([\w-]+)\.path\s*\}\}")
-
-
-def seconds(value) -> float:
-    """Argo's duration forms: an integer of seconds, or ``1h30m``, ``90s``."""
-    text = str(value).strip()
-    if text.isdigit():
-        return float(text)
-    parts = _DURATION.findall(text)
-    if not parts or "".join(n + u for n, u in parts) != text:
-        raise ValueError(f"{value!r} is not a duration")
-    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
 
 
 def _templates(doc: dict) -> list[dict]:
     return doc["spec"]["templates"]
 
 
-def _jobs(doc: dict) -> Iterator[tuple[str, dict]]:
+def pytorch_jobs(doc: dict) -> Iterator[tuple[dict, dict]]:
+    """(resource template, its PyTorchJob) for every PyTorchJob the workflow creates."""
     for tmpl in _templates(doc):
         manifest = (tmpl.get("resource") or {}).get("manifest")
         if manifest:
             job = yaml.safe_load(manifest)
             if isinstance(job, dict) and job.get("kind") == "PyTorchJob":
-                yield tmpl["name"], job
+                yield tmpl, job
 
 
 def _replicas(job: dict) -> dict[str, dict]:
     return (job.get("spec") or {}).get("pytorchReplicaSpecs") or {}
 
 
+def _job_containers(job: dict) -> Iterator[tuple[str, dict, dict]]:
+    """(replica type, pod spec, container) of every container of the job's pods."""
+    for replica, spec in _replicas(job).items():
+        pod = (spec.get("template") or {}).get("spec") or {}
+        for container in pod.get("containers") or []:
+            yield replica, pod, container
+
+
 # ---- writable outputs --------------------------------------------------------------------
-def _volume_for(path: str, mounts: list[dict], volumes: dict[str, dict]) -> tuple[str, str]:
-    """(volume name, why it is not writable) of the longest mount holding ``path``."""
-    best = None
-    for mount in mounts:
-        root = mount["mountPath"].rstrip("/") or "/"
-        if path == root or path.startswith(root.rstrip("/") + "/"):
-            if best is None or len(root) > len(best["mountPath"]):
-                best = mount
-    if best is None:
-        return "", "is on no declared volume"
+def _not_writable(path: str, mounts: list[dict], volumes: dict[str, dict]) -> str:
+    """Why ``path`` is not on a writable volume (empty: it is), by the longest mount holding
+    it, as Argo's ``FindOverlappingVolume`` picks it."""
+    holding = [m for m in mounts if PurePosixPath(path).is_relative_to(m["mountPath"])]
+    if not holding:
+        return "is on no declared volume"
+    best = max(holding, key=lambda m: len(PurePosixPath(m["mountPath"]).parts))
     volume = volumes.get(best["name"], {})
     kind = next((k for k in volume if k != "name"), "")
     if best.get("readOnly"):
-        return best["name"], f"is on volume {best['name']!r}, mounted read-only"
+        return f"is on volume {best['name']!r}, mounted read-only"
     if kind not in WRITABLE_VOLUMES:
-        return best["name"], f"is on volume {best['name']!r} of kind {kind or 'unknown'}"
-    return best["name"], ""
+        return f"is on volume {best['name']!r} of kind {kind or 'unknown'}"
+    return ""
 
 
 def _output_paths(tmpl: dict) -> Iterator[tuple[str, str]]:
@@ -105,20 +101,18 @@ def writable_outputs(doc: dict) -> list[str]:
         volumes = {**shared, **{v["name"]: v for v in tmpl.get("volumes") or []}}
         mounts = tmpl["container"].get("volumeMounts") or []
         for what, path in _output_paths(tmpl):
-            _, why = _volume_for(str(PurePosixPath(path)), mounts, volumes)
+            why = _not_writable(path, mounts, volumes)
             if why:
                 problems.append(f"pods: template {tmpl['name']} {what} at {path} {why}; a "
                                 "non-root step cannot write it (mount a work volume there)")
-    for name, job in _jobs(doc):
-        for replica, spec in _replicas(job).items():
-            pod = (spec.get("template") or {}).get("spec") or {}
+    for tmpl, job in pytorch_jobs(doc):
+        for replica, pod, container in _job_containers(job):
             volumes = {v["name"]: v for v in pod.get("volumes") or []}
-            for container in pod.get("containers") or []:
-                for path in _train_paths(container):
-                    _, why = _volume_for(path, container.get("volumeMounts") or [], volumes)
-                    if why:
-                        problems.append(f"pods: template {name} PyTorchJob {replica} writes "
-                                        f"{path}, which {why}")
+            for path in _train_paths(container):
+                why = _not_writable(path, container.get("volumeMounts") or [], volumes)
+                if why:
+                    problems.append(f"pods: template {tmpl['name']} PyTorchJob {replica} "
+                                    f"writes {path}, which {why}")
     return problems
 
 
@@ -147,16 +141,22 @@ def _train_paths(container: dict) -> list[str]:
 
 
 # ---- deadlines ---------------------------------------------------------------------------
+def _seconds(tmpl: dict, field: str, value) -> float:
+    return duration_seconds(value, f"spec.templates[{tmpl['name']}].{field}")
+
+
 def _deadline(tmpl: dict) -> float | None:
-    values = [seconds(tmpl[k]) for k in ("activeDeadlineSeconds", "timeout")
+    values = [_seconds(tmpl, k, tmpl[k]) for k in ("activeDeadlineSeconds", "timeout")
               if tmpl.get(k) not in (None, "") and "{{" not in str(tmpl[k])]
     return min(values) if values else None
 
 
-def _backoff_total(retry: dict, attempts: int) -> float:
-    backoff = retry.get("backoff") or {}
-    wait, factor = seconds(backoff.get("duration", 0) or 0), float(backoff.get("factor", 1))
-    cap = seconds(backoff["cap"]) if backoff.get("cap") else None
+def _backoff_total(tmpl: dict, attempts: int) -> float:
+    backoff = tmpl["retryStrategy"].get("backoff") or {}
+    wait = _seconds(tmpl, "retryStrategy.backoff.duration", backoff.get("duration", 0) or 0)
+    factor = float(backoff.get("factor", 1))
+    cap = _seconds(tmpl, "retryStrategy.backoff.cap", backoff["cap"]) \
+        if backoff.get("cap") else None
     return sum(min(wait * factor ** n, cap) if cap else wait * factor ** n
                for n in range(attempts - 1))
 
@@ -176,8 +176,8 @@ def deadlines(doc: dict) -> list[str]:
         if not cutoff:
             continue
         attempts = int(retry.get("limit", 0)) + 1
-        needed = (deadline or float("inf")) * attempts + _backoff_total(retry, attempts)
-        if seconds(cutoff) < needed:
+        needed = (deadline or float("inf")) * attempts + _backoff_total(tmpl, attempts)
+        if _seconds(tmpl, "retryStrategy.backoff.maxDuration", cutoff) < needed:
             problems.append(
                 f"pods: template {tmpl['name']} retryStrategy.backoff.maxDuration {cutoff} is "
                 f"shorter than its {attempts} attempts can run ("
@@ -189,17 +189,13 @@ def deadlines(doc: dict) -> list[str]:
 
 # ---- multi-node job ----------------------------------------------------------------------
 def multinode_job(doc: dict) -> list[str]:
-    problems = []
-    for tmpl in _templates(doc):
-        for name, job in _jobs({"spec": {"templates": [tmpl]}}):
-            problems += _job_problems(name, tmpl, job)
-    return problems
+    return [p for tmpl, job in pytorch_jobs(doc) for p in _job_problems(tmpl, job)]
 
 
-def _job_problems(name: str, tmpl: dict, job: dict) -> list[str]:
+def _job_problems(tmpl: dict, job: dict) -> list[str]:
     spec = job.get("spec") or {}
     replicas = _replicas(job)
-    where = f"pods: template {name} PyTorchJob"
+    where = f"pods: template {tmpl['name']} PyTorchJob"
     problems = []
     if "Master" not in replicas:
         problems.append(f"{where} has no Master replica (no WORLD_SIZE, no rendezvous)")
@@ -211,19 +207,18 @@ def _job_problems(name: str, tmpl: dict, job: dict) -> list[str]:
             problems.append(f"{where} {replica} restartPolicy {policy}: a failed container "
                             "restarts in place, its pod never fails and the job hangs "
                             "(use ExitCode or Never)")
-        for container in ((rspec.get("template") or {}).get("spec") or {}).get(
-                "containers") or []:
-            args = _train_args(container)
-            if not args:
-                continue
-            devices, nodes = _flag(args, "--devices") or "1", _flag(args, "--nodes") or "1"
-            if devices != nproc:
-                problems.append(f"{where} {replica}: nprocPerNode {nproc!r} is not the step's "
-                                f"--devices {devices!r}, so WORLD_SIZE is not what the step "
-                                "expects")
-            if nodes != str(pods):
-                problems.append(f"{where} {replica}: {pods} pods but the step's --nodes is "
-                                f"{nodes}")
+    for replica, _, container in _job_containers(job):
+        args = _train_args(container)
+        if not args:
+            continue
+        devices, nodes = _flag(args, "--devices") or "1", _flag(args, "--nodes") or "1"
+        if devices != nproc:
+            problems.append(f"{where} {replica}: nprocPerNode {nproc!r} is not the step's "
+                            f"--devices {devices!r}, so WORLD_SIZE is not what the step "
+                            "expects")
+        if nodes != str(pods):
+            problems.append(f"{where} {replica}: {pods} pods but the step's --nodes is "
+                            f"{nodes}")
     failure = tmpl["resource"].get("failureCondition", "")
     if "status.conditions" not in failure:
         problems.append(f"{where}: failureCondition {failure!r} cannot see a job failed by "
@@ -252,22 +247,26 @@ def overlay_objects(directory: Path) -> set[tuple[str, str]]:
     return found
 
 
+def _containers(doc: dict) -> Iterator[tuple[str, dict]]:
+    """(template name, container) of every container template and every job pod."""
+    for tmpl in _templates(doc):
+        if "container" in tmpl:
+            yield tmpl["name"], tmpl["container"]
+    for tmpl, job in pytorch_jobs(doc):
+        for _, _, container in _job_containers(job):
+            yield tmpl["name"], container
+
+
 def _env_refs(doc: dict) -> Iterator[tuple[str, str, str, str, bool]]:
     """(template, env var, kind, object name, optional) of every Secret/ConfigMap env ref."""
-    for tmpl in _templates(doc):
-        containers = [tmpl["container"]] if "container" in tmpl else []
-        for _, job in _jobs({"spec": {"templates": [tmpl]}}):
-            for rspec in _replicas(job).values():
-                containers += ((rspec.get("template") or {}).get("spec") or {}).get(
-                    "containers") or []
-        for container in containers:
-            for var in container.get("env") or []:
-                source = var.get("valueFrom") or {}
-                for key, kind in (("secretKeyRef", "Secret"), ("configMapKeyRef", "ConfigMap")):
-                    if key in source:
-                        ref = source[key]
-                        yield (tmpl["name"], var["name"], kind, ref.get("name", ""),
-                               bool(ref.get("optional")))
+    for name, container in _containers(doc):
+        for var in container.get("env") or []:
+            source = var.get("valueFrom") or {}
+            for key, kind in (("secretKeyRef", "Secret"), ("configMapKeyRef", "ConfigMap")):
+                if key in source:
+                    ref = source[key]
+                    yield (name, var["name"], kind, ref.get("name", ""),
+                           bool(ref.get("optional")))
 
 
 def references(doc: dict, overlays: Path = OVERLAYS) -> list[str] | None:

@@ -190,26 +190,24 @@ def flags(values: dict[str, object]) -> list[str]:
     return out
 
 
-def step(cfg: Config, name: str, kind: str, command: list[str], resources: str = "",
-         **kw) -> Container:
-    """A data-side container template: CPU image, work volume, deadline, retries."""
+def step(cfg: Config, name: str, kind: str, command: list[str] | None = None,
+         resources: str = "", **kw) -> Container:
+    """A data-side container template: CPU image, work volume, deadline, retries. The
+    command is ``python -m steps.<name>`` unless given; ``resources`` names the config's
+    resources section when it is not ``name``."""
     res = getattr(cfg.resources, resources or name)
     volume, mount = work_volume(cfg)
     return Container(
         name=name, image=image(cfg, kind), image_pull_policy=cfg.images.pull_policy,
-        command=command,
+        command=command or ["python", "-m", f"steps.{name}"],
         resources=step_resources(res.cpu, res.memory, cfg.resources.work_volume_size),
         volumes=[volume], volume_mounts=[mount],
         active_deadline_seconds=seconds(res.timeout), retry_strategy=retry(cfg), **kw)
 
 
-def step_command(name: str) -> list[str]:
-    return ["python", "-m", f"steps.{name}"]
-
-
 def download_template(cfg: Config) -> Container:
     names = ["source", "md5", "image-tag"]
-    return step(cfg, "download", "cpu", step_command("download"),
+    return step(cfg, "download", "cpu",
                 args=["--source", arg("source"), "--raw", "{{outputs.artifacts.raw.path}}",
                       "--md5", arg("md5")],
                 inputs=[Parameter(name=n) for n in names],
@@ -220,7 +218,7 @@ def download_template(cfg: Config) -> Container:
 
 def preprocess_template(cfg: Config) -> Container:
     keyed = ["source", "md5", "image-dtype", "mode", "patch-size", "image-tag"]
-    return step(cfg, "preprocess", "cpu", step_command("preprocess"),
+    return step(cfg, "preprocess", "cpu",
                 args=["--raw", "{{inputs.artifacts.raw.path}}",
                       "--dataset", "{{outputs.artifacts.dataset.path}}",
                       "--workers", arg("workers"), "--image-dtype", arg("image-dtype"),
@@ -354,7 +352,7 @@ def convert_template(cfg: Config) -> Container:
     release = S3Artifact(name="release", path=f"{DATA}/exported", archive=NoneArchiveStrategy(),
                          key=f"{cfg.storage.models_prefix}/{cfg.pipeline.model_name}/"
                              "{{workflow.name}}")
-    return step(cfg, "convert", "cpu", step_command("convert"),
+    return step(cfg, "convert", "cpu",
                 args=["--model", "{{inputs.artifacts.model.path}}",
                       "--dataset", "{{inputs.artifacts.dataset.path}}",
                       "--exported", "{{outputs.artifacts.exported.path}}"]

@@ -32,7 +32,7 @@ import json
 import os
 import subprocess
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Callable, TextIO
 
 from workflows.local import executors
@@ -126,10 +126,6 @@ def source_digest(root: Path = PROJECT_ROOT) -> str:
     return digest.hexdigest()
 
 
-def _under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
 class Engine:
     """The podman or docker command line."""
 
@@ -138,6 +134,7 @@ class Engine:
             raise LocalRunError(f"container engine {binary!r}: expected podman or docker")
         self.binary = binary
         self.env = {k: v for k, v in os.environ.items() if k in ENGINE_ENV}
+        self._stale: dict[str, str] = {}    # image -> stale(), asked once per image
 
     def __call__(self, *args: str, check: bool = True,
                  env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -162,13 +159,13 @@ class Engine:
 
     def stale(self, image: str) -> str:
         """Why ``image`` may not run this checkout's code (empty: it does, or cannot tell)."""
-        labels = self.labels(image)
-        if labels is None or SOURCES_LABEL not in labels:
-            return ""
-        if labels[SOURCES_LABEL] != source_digest():
-            return (f"image {image} was built from other sources than this checkout's "
-                    "steps/ (rebuild: containers/podman/build.sh)")
-        return ""
+        if image not in self._stale:
+            built = (self.labels(image) or {}).get(SOURCES_LABEL)
+            fresh = built is None or built == source_digest()
+            self._stale[image] = "" if fresh else (
+                f"image {image} was built from other sources than this checkout's steps/ "
+                "(rebuild: containers/podman/build.sh)")
+        return self._stale[image]
 
 
 def run(engine: Engine, pod: Pod, host: Callable[[str], Path], log_path: Path,
@@ -201,17 +198,14 @@ def _make_volumes(engine: Engine, pod: Pod, made: list[str]) -> list[tuple[str, 
     mounts, writable = [], []
     for volume in pod.volumes:
         if volume.mount_path == SHM or volume.medium == "HugePages":
-            continue
-        if volume.medium == "Memory":
-            raise LocalRunError(f"volume {volume.name!r}: a Memory emptyDir outside {SHM} "
-                                "is not supported by the container executor")
+            continue  # --shm-size; no huge pages here (the spec check refused other media)
         name = f"{pod.name}-{volume.name}"
         engine("volume", "create", name)
         made.append(name)
         mounts.append((name, volume.mount_path, ":ro" if volume.read_only else ""))
         writable.append(name)
     for i, path in enumerate(sorted(pod.inputs)):
-        if not any(_under(path, target) for _, target, _ in mounts):
+        if not any(PurePosixPath(path).is_relative_to(target) for _, target, _ in mounts):
             name = f"{pod.name}-input-{i}"
             engine("volume", "create", name)
             made.append(name)
@@ -256,7 +250,7 @@ def _create_args(pod: Pod, mounts: list[tuple[str, str, str]]) -> list[str]:
 def _copy_outputs(engine: Engine, pod: Pod, host: Callable[[str], Path]) -> None:
     copied: list[str] = []
     for path in sorted(pod.outputs, key=len):
-        if any(_under(path, done) for done in copied):
+        if any(PurePosixPath(path).is_relative_to(done) for done in copied):
             continue  # inside an output already copied (a file of a directory artifact)
         dest = host(path)
         dest.parent.mkdir(parents=True, exist_ok=True)

@@ -541,7 +541,7 @@ class LocalRun:
         pod_dir.mkdir(parents=True)
         node.log_path = str(pod_dir / "main.log")
         try:
-            plan = self._plan(task, inputs, node, node_name, attempt, pod_dir)
+            plan = self._plan(task, inputs, node, node_name, attempt, pod_dir, cutoff)
             for name, ref in artifacts.items():
                 dest = plan["host"](plan["inputs"][name])
                 if isinstance(ref, str):
@@ -553,17 +553,11 @@ class LocalRun:
                     except StepError as exc:  # Argo's init container: the node is an Error
                         raise LocalRunError(f"artifact {name} failed to load: {exc}") from None
                     self.log(f"{task.name}:   {name} ← {ref.uri}")
-            deadline = plan["timeout"]
-            if cutoff is not None:
-                left = max(cutoff - time.monotonic(), 0.001)
-                deadline = left if deadline is None else min(deadline, left)
             if self.engine is None:
-                launch = plan["launch"]
-                launch.timeout = deadline
-                outcome = executors.run(launch, self.echo)
+                outcome = executors.run(plan["launch"], self.echo)
             else:
                 outcome = pods.run(self.engine, plan["pod"], plan["host"], pod_dir / "main.log",
-                                   deadline, self.echo)
+                                   plan["timeout"], self.echo)
         except StepError as exc:
             node.phase, node.message = "Error", self._scrub(str(exc))
             return None
@@ -586,8 +580,9 @@ class LocalRun:
         return 0
 
     def _plan(self, task: _Task, inputs: dict[str, str], node: NodeResult, node_name: str,
-              attempt: int, pod_dir: Path) -> dict[str, Any]:
-        """Resolve the template for one attempt: container paths, command, env, launch."""
+              attempt: int, pod_dir: Path, cutoff: float | None) -> dict[str, Any]:
+        """Resolve the template for one attempt: container paths, command, env, launch.
+        Its deadline runs from here, as a pod's does from its start (inputs included)."""
         tname = task.template_name
         where = f"spec.templates[{tname}]"
         template = task.template
@@ -612,7 +607,7 @@ class LocalRun:
         key_prefix = substitute(self.key_format, scope, "artifact repository keyFormat")
         plan = {"host": host, "inputs": paths["inputs"], "outputs": paths["outputs"],
                 "params": paths["params"], "scope": scope, "key_prefix": key_prefix,
-                "timeout": self._timeout(template, scope, where)}
+                "timeout": self._timeout(template, scope, where, cutoff)}
         if in_image:
             plan["pod"] = self._pod(template, scope, command, args, env, paths, host, where)
             stale = self.engine.stale(plan["pod"].image)
@@ -622,7 +617,8 @@ class LocalRun:
             base = {k: v for k, v in self.env.items() if not k.startswith("AWS_")}
             plan["launch"] = executors.Launch(
                 executors.subprocess_argv(command + args),
-                executors.with_project_path({**base, **env}), pod_dir, pod_dir / "main.log")
+                executors.with_project_path({**base, **env}), pod_dir, pod_dir / "main.log",
+                plan["timeout"])
         return plan
 
     def _container_paths(self, template: dict, scope: dict, where: str) -> dict[str, Any]:
@@ -731,7 +727,10 @@ class LocalRun:
             hpus=int(limits.get("habana.ai/gaudi", 0) or 0),
             network=self.container.get("network", "host"))
 
-    def _timeout(self, template: dict, scope: dict, where: str) -> float | None:
+    def _timeout(self, template: dict, scope: dict, where: str,
+                 cutoff: float | None) -> float | None:
+        """Seconds this attempt may run: its template's deadlines, the Workflow's, and the
+        retry deadline ``cutoff`` (monotonic) when one applies to it."""
         limits = []
         if template.get("timeout"):
             limits.append(duration_seconds(substitute(str(template["timeout"]), scope,
@@ -739,8 +738,9 @@ class LocalRun:
         if template.get("activeDeadlineSeconds"):
             limits.append(duration_seconds(template["activeDeadlineSeconds"],
                                            f"{where}.activeDeadlineSeconds"))
-        if self.deadline is not None:
-            limits.append(max(self.deadline - time.monotonic(), 0.001))
+        for until in (self.deadline, cutoff):
+            if until is not None:
+                limits.append(max(until - time.monotonic(), 0.001))
         return min(limits) if limits else None
 
     def _collect(self, task: _Task, node: NodeResult, plan: dict) -> None:
@@ -819,7 +819,7 @@ class LocalRun:
         for node in self._leaves():
             for name, ref in node.artifacts.items():
                 path = self.paths.get((node.task, name), "")
-                if path and any(path == c or path.startswith(c + "/") for c in copied):
+                if path and any(PurePosixPath(path).is_relative_to(c) for c in copied):
                     continue  # the same files as an artifact already copied
                 label = name if name not in result.outputs else f"{node.task}-{name}"
                 dest = transfer.fetch(ref, self.output_dir / label)
@@ -903,9 +903,9 @@ def run_workflow(workflow: dict, *, executor: str = "subprocess",
     does. ``secrets`` maps Secret name → key → value for ``secretKeyRef``, ``configmaps`` the
     same for ``configMapKeyRef``. ``executor`` is ``subprocess``, ``podman`` or ``docker``;
     ``container`` tunes the last two (``network``, default host; ``binary``). ``echo`` gets
-    the steps' output (default: stderr; None: only the pod logs). Anything in the Workflow the runner cannot honour
-    raises :class:`LocalRunError` before a step runs; a failed step gives a RunResult with
-    ``phase == "Failed"`` and ``exit_code == 1``. While it runs, this process's ``AWS_*``
+    the steps' output (default: stderr; None: only the pod logs). Anything in the Workflow
+    the runner cannot honour raises :class:`LocalRunError` before a step runs; a failed step
+    gives a RunResult with ``phase == "Failed"`` and ``exit_code == 1``. While it runs, this process's ``AWS_*``
     variables point at the run's S3 (for :mod:`steps.storage`); they are restored after.
     """
     if echo is ECHO_STDERR:
