@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Iterator
 
 from steps import __version__
@@ -64,6 +64,20 @@ def write_manifest(root: Path, artifact: str, step: str, parameters: dict[str, A
     return target
 
 
+def inside(root: Path | str, rel: Any, where: str) -> Path:
+    """``root/rel`` for a path read from an artifact's own metadata (``MANIFEST.json``,
+    ``dataset.json``): a relative POSIX path that stays inside ``root``, links included."""
+    root = Path(root)
+    pure = PurePosixPath(rel) if isinstance(rel, str) else None
+    if (pure is None or not rel or "\\" in rel or pure.is_absolute() or ".." in pure.parts
+            or any(ord(c) < 32 for c in rel)):
+        raise StepError(f"{where}: {rel!r} is not a relative path inside {root}")
+    path = root.joinpath(*pure.parts)
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise StepError(f"{where}: {rel!r} leads outside {root} (through a link)")
+    return path
+
+
 def read_manifest(root: Path, artifact: str) -> dict[str, Any]:
     path = Path(root) / MANIFEST
     if not path.is_file():
@@ -73,12 +87,19 @@ def read_manifest(root: Path, artifact: str) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
         raise StepError(f"artifact '{artifact}' at {root}: {MANIFEST} is not valid JSON ({exc})")
-    if manifest.get("artifact") != artifact:
+    if not isinstance(manifest, dict) or manifest.get("artifact") != artifact:
         raise StepError(f"artifact '{artifact}' at {root}: {MANIFEST} names artifact "
-                        f"'{manifest.get('artifact')}'")
+                        f"'{manifest.get('artifact') if isinstance(manifest, dict) else None}'")
     if manifest.get("schema_version") != SCHEMA_VERSION:
         raise StepError(f"artifact '{artifact}' at {root}: {MANIFEST} schema version "
                         f"{manifest.get('schema_version')} is not {SCHEMA_VERSION}")
+    files = manifest.get("files")
+    if not isinstance(files, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("path"), str)
+            and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str)
+            for e in files):
+        raise StepError(f"artifact '{artifact}' at {root}: {MANIFEST} 'files' must list "
+                        "{path, size, sha256} entries")
     return manifest
 
 
@@ -92,7 +113,7 @@ def require(root: Path | str, artifact: str, check_hashes: bool = True) -> dict[
     manifest = read_manifest(root, artifact)
     listed = {entry["path"]: entry for entry in manifest["files"]}
     for rel, entry in listed.items():
-        path = root / rel
+        path = inside(root, rel, f"artifact '{artifact}' at {root}: {MANIFEST}")
         if not path.is_file():
             raise StepError(f"artifact '{artifact}' at {root}: {rel} is listed in {MANIFEST} "
                             "but missing")
@@ -147,17 +168,18 @@ def publish(out_dir: Path | str, artifact: str, step: str,
     out_dir = Path(out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-    except PermissionError as exc:  # e.g. a pod without a writable volume at that path
+        leftovers = [p.name for p in out_dir.iterdir()]
+        if not leftovers:
+            (out_dir / _STAGING).mkdir()
+    except OSError as exc:  # e.g. a pod without a writable volume there, or a path in /proc
         raise StepError(f"output directory {out_dir} for '{artifact}': cannot create it "
-                        f"({exc.strerror}: {exc.filename}); the step needs a writable "
+                        f"({exc.strerror or exc}: {exc.filename}); the step needs a writable "
                         "directory there (on a cluster: a volume mounted at or above it)"
                         ) from None
-    leftovers = [p.name for p in out_dir.iterdir()]
     if leftovers:
         raise StepError(f"output directory {out_dir} for '{artifact}' is not empty "
                         f"(found {sorted(leftovers)[0]})")
     staging = out_dir / _STAGING
-    staging.mkdir()
     try:
         yield staging
         for child in sorted(staging.iterdir()):

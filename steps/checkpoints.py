@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from steps import uris
 from steps.errors import StepError
 
 LATEST = "latest"
@@ -35,10 +36,6 @@ def checkpoint_name(step: int) -> str:
 
 def best_name(epoch: int) -> str:
     return f"best-epoch{epoch:04d}.pt"
-
-
-def _is_s3(uri: str) -> bool:
-    return uri.startswith("s3://")
 
 
 def _storage():
@@ -63,13 +60,22 @@ def deserialize(data: bytes, source: str) -> dict[str, Any]:
 class CheckpointStore:
     """Checkpoints under ``uri`` (``s3://bucket/prefix`` or a local directory)."""
 
-    def __init__(self, uri: str):
-        self.uri = uri.rstrip("/")
-        self.s3 = _is_s3(uri)
+    def __init__(self, uri: str, flag: str = "checkpoint URI"):
+        parsed = uris.parse(uri, flag, uris.CHECKPOINT_KINDS)
+        self.s3 = parsed.kind == "s3"
+        self.uri = parsed.text.rstrip("/") if self.s3 else str(parsed.path).rstrip("/") or "/"
         if not self.s3:
-            Path(self.uri).mkdir(parents=True, exist_ok=True)
+            try:
+                Path(self.uri).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StepError(f"{flag} {parsed.text}: cannot create {self.uri} "
+                                f"({exc.strerror or exc})") from None
 
     def _join(self, name: str) -> str:
+        """The place of the file ``name``: one path segment (names can come from a saved
+        checkpoint's ``best_file``, which must not lead out of the store)."""
+        if not name or "/" in name or "\\" in name or name in (".", ".."):
+            raise StepError(f"checkpoint store {self.uri}: '{name}' is not a file name in it")
         return f"{self.uri}/{name}"
 
     # -- primitive object operations -----------------------------------------------------

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from steps.artifacts import require
+from steps.artifacts import inside, require
 from steps.errors import StepError
 
 DATASET_JSON = "dataset.json"
@@ -86,14 +86,56 @@ class Case:
 
 
 def read_metadata(dataset_dir: Path | str, check_hashes: bool = True) -> dict[str, Any]:
-    """Verify the artifact's manifest and return its ``dataset.json``."""
+    """Verify the artifact's manifest and return its checked ``dataset.json``."""
     dataset_dir = Path(dataset_dir)
     require(dataset_dir, "dataset", check_hashes=check_hashes)
-    meta = json.loads((dataset_dir / DATASET_JSON).read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise StepError(f"artifact 'dataset' at {dataset_dir}: {DATASET_JSON} format_version "
-                        f"{meta.get('format_version')} is not {FORMAT_VERSION}")
+    where = f"artifact 'dataset' at {dataset_dir}: {DATASET_JSON}"
+    try:
+        meta = json.loads((dataset_dir / DATASET_JSON).read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise StepError(f"{where} cannot be read ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        raise StepError(f"{where} format_version "
+                        f"{meta.get('format_version') if isinstance(meta, dict) else None} "
+                        f"is not {FORMAT_VERSION}")
+    _check_structure(meta, where)
     return meta
+
+
+def _check_structure(meta: dict[str, Any], where: str) -> None:
+    """The keys that train and convert index, with their types; folds never validate on
+    training cases, so a dataset needs at least two cases."""
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise StepError(f"{where}: {what}")
+
+    labels, patch, cases = meta.get("labels"), meta.get("patch_size"), meta.get("cases")
+    need(isinstance(meta.get("channels"), list) and meta["channels"], "'channels' must be a "
+         "non-empty list")
+    need(isinstance(labels, dict) and 2 <= len(labels) <= 256
+         and sorted(labels) == sorted(str(i) for i in range(len(labels))),
+         "'labels' must map '0'..'N-1' (2 to 256 classes) to names")
+    need(isinstance(patch, list) and len(patch) == 2
+         and all(isinstance(n, int) and 1 <= n <= 4096 for n in patch),
+         "'patch_size' must be [H, W], each 1..4096")
+    need(isinstance(cases, list) and len(cases) >= 2, "'cases' must list at least two cases "
+         "(validation must never see training data)")
+    for case in cases:
+        need(isinstance(case, dict) and all(isinstance(case.get(k), str)
+                                            for k in ("name", "image", "label"))
+             and isinstance(case.get("spacing"), list) and len(case["spacing"]) == 3,
+             "every case needs 'name', 'image', 'label' and 'spacing' [D, H, W]")
+    names = [case["name"] for case in cases]
+    need(len(set(names)) == len(names), "case names must be unique")
+    folds = meta.get("folds")
+    need(isinstance(folds, list) and folds and all(
+        isinstance(f, dict) and isinstance(f.get("train"), list) and isinstance(f.get("val"), list)
+        for f in folds), "'folds' must list {train, val} name lists")
+    for index, fold in enumerate(folds):
+        shared = sorted(set(fold["train"]) & set(fold["val"]))
+        need(not shared, f"fold {index} validates on its training case {shared[:1]}")
+        unknown = sorted(set(fold["train"] + fold["val"]) - set(names))
+        need(not unknown, f"fold {index} names unknown case {unknown[:1]}")
 
 
 def fold_names(meta: dict[str, Any], fold: int) -> tuple[list[str], list[str]]:
@@ -104,25 +146,58 @@ def fold_names(meta: dict[str, Any], fold: int) -> tuple[list[str], list[str]]:
     return list(folds[fold]["train"]), list(folds[fold]["val"])
 
 
+def _load(path: Path, where: str) -> np.ndarray:
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        raise StepError(f"{where}: {path.name} is not a readable .npy array ({exc})") from None
+
+
 def open_cases(dataset_dir: Path | str, meta: dict[str, Any],
                names: list[str] | None = None) -> list[Case]:
-    """Memory-map the cases called ``names`` (all cases when None), in that order."""
+    """Memory-map the cases called ``names`` (all cases when None), in that order.
+
+    Each array's path stays inside the artifact, and its dtype and shape are what
+    ``dataset.json`` says: image (C, D, H, W) of ``image_dtype``, label (D, H, W) uint8.
+    """
     dataset_dir = Path(dataset_dir)
     by_name = {case["name"]: case for case in meta["cases"]}
     selected = list(by_name) if names is None else names
+    channels = len(meta["channels"])
     cases = []
     for name in selected:
+        where = f"artifact 'dataset' at {dataset_dir}: case '{name}'"
         if name not in by_name:
-            raise StepError(f"artifact 'dataset' at {dataset_dir}: case '{name}' is not in "
-                            f"{DATASET_JSON}")
+            raise StepError(f"{where} is not in {DATASET_JSON}")
         entry = by_name[name]
-        cases.append(Case(
-            name=name,
-            image=np.load(dataset_dir / entry["image"], mmap_mode="r"),
-            label=np.load(dataset_dir / entry["label"], mmap_mode="r"),
-            spacing=tuple(entry["spacing"]),
-        ))
+        image = _load(inside(dataset_dir, entry["image"], where), where)
+        label = _load(inside(dataset_dir, entry["label"], where), where)
+        if (image.dtype != np.dtype(meta.get("image_dtype", image.dtype)) or image.ndim != 4
+                or image.shape[0] != channels or label.dtype != np.uint8
+                or label.shape != image.shape[1:] or 0 in image.shape):
+            raise StepError(f"{where}: image {image.dtype} {list(image.shape)} and label "
+                            f"{label.dtype} {list(label.shape)} are not (C={channels}, D, H, W) "
+                            f"{meta.get('image_dtype')} and (D, H, W) uint8")
+        cases.append(Case(name=name, image=image, label=label,
+                          spacing=tuple(entry["spacing"])))
     return cases
+
+
+def check_values(cases: list[Case], n_classes: int) -> None:
+    """Every image voxel finite and every label below ``n_classes``: one read of each case
+    (the manifest's hash check has just read the same bytes, so they are in the page cache)."""
+    import torch
+
+    for case in cases:
+        image = torch_view(case.image)
+        if not bool(torch.isfinite(image).all()):
+            bad = int((~torch.isfinite(image)).sum())
+            raise StepError(f"artifact 'dataset': case '{case.name}' image has {bad} NaN/Inf "
+                            "voxels")
+        top = int(case.label.max())
+        if top >= n_classes:
+            raise StepError(f"artifact 'dataset': case '{case.name}' label value {top} is not "
+                            f"one of the {n_classes} classes in {DATASET_JSON}")
 
 
 def torch_view(array: np.ndarray):

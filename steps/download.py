@@ -17,9 +17,12 @@ Sources:
 - ``synthetic://?cases=N&shape=HxWxD&seed=S&test=M``: BraTS-like cases from
   :mod:`steps.synthetic`.
 
-Downloads land in a cache directory beside the output (never in it), are checked against the
-md5 before anything is extracted, and are extracted member by member with every unsafe member
-refused (absolute paths, ``..``, links, devices) and macOS ``._*`` files dropped.
+Downloads land in a cache inside the output directory (gone with it on success or failure;
+an explicit ``--cache-dir`` is kept and trusted only after a good run), are held to the size
+limits of :mod:`steps.limits`, are checked against the md5 before anything is extracted, and
+are extracted member by member with every unsafe member refused (absolute paths, ``..``,
+links, devices, sparse files) and macOS ``._*`` files dropped. A directory source
+contributes only ``dataset.json`` and the regular files it lists.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import lzma
 import os
 import re
 import shutil
+import stat
 import sys
 import tarfile
 import time
@@ -40,22 +44,22 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Sequence
 from urllib.error import HTTPError, URLError
-from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl
 from urllib.request import Request, urlopen
 
 from tqdm import tqdm
 
-from steps import __version__
+from steps import __version__, limits, uris
 from steps.artifacts import publish
 from steps.errors import OneLineArgumentParser, StepError, run_main
 from steps.synthetic import MIN_SHAPE, TASK, write_msd_task
+from steps.uris import redact
 
 ARTIFACT = "raw"
 STEP = "download"
 DATASET_JSON = "dataset.json"
 # MONAI's DecathlonDataset md5 of the published tarball.
 PUBLISHED_MD5 = {"Task01_BrainTumour.tar": "240a19d752f0d9e9101544901065d872"}
-SCHEMES = ("s3", "https", "http", "file", "synthetic")
 SYNTHETIC_DEFAULTS = {"cases": 10, "shape": "240x240x155", "seed": 0, "test": 0}
 
 HTTP_RETRIES = 5
@@ -64,80 +68,37 @@ HTTP_TIMEOUT_S = 60.0
 TRANSIENT_HTTP = frozenset({408, 425, 429, 500, 502, 503, 504})
 _CHUNK = 1 << 20
 _ARCHIVE_ERRORS = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, lzma.LZMAError)
-_SECRET_QUERY = re.compile(r"sig|token|key|credential|secret|password|auth", re.IGNORECASE)
+_VERIFIED = ".verified"     # beside a cached download: its size and sha256 after a good run
 
 
 @dataclass(frozen=True)
 class Source:
-    """A parsed ``--source``: ``kind`` is one of SCHEMES (http covers https)."""
+    """A parsed ``--source``: ``kind`` is one of ``uris.SOURCE_KINDS`` (http covers https)."""
     kind: str
     uri: str
     path: Path | None = None
     synthetic: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def file_name(self) -> str:
-        """Base name of the object the URI points at ('' for synthetic)."""
-        if self.kind == "synthetic":
-            return ""
-        if self.path is not None:
-            return self.path.name
-        return PurePosixPath(unquote(urlsplit(self.uri).path)).name
-
-
-def redact(uri: str) -> str:
-    """``uri`` safe to print: no user:password, and secret-looking query values hidden."""
-    parts = urlsplit(uri)
-    if parts.scheme not in ("http", "https"):
-        return uri
-    netloc = parts.netloc.rsplit("@", 1)[-1]
-    query = "&".join(f"{k}=***" if _SECRET_QUERY.search(k) else f"{k}={v}"
-                     for k, v in parse_qsl(parts.query, keep_blank_values=True))
-    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+    file_name: str = ""       # base name of the object the URI points at ('' for synthetic)
 
 
 # ----------------------------------------------------------------------------- parsing
 
 def parse_source(uri: str) -> Source:
-    """Parse ``--source``; a malformed or unsupported URI is a StepError naming it."""
-    parts = urlsplit(uri.strip())
-    scheme = parts.scheme.lower()
-    if scheme not in SCHEMES:
-        raise StepError(f"--source '{redact(uri)}': unsupported scheme '{parts.scheme}' "
-                        f"(use one of {', '.join(s + '://' for s in SCHEMES)})")
-    if scheme == "s3":
-        if not parts.netloc or not parts.path.strip("/"):
-            raise StepError(f"--source '{uri}': an s3 source needs s3://bucket/key")
-        return Source("s3", uri.strip())
-    if scheme in ("http", "https"):
-        if not parts.netloc or not parts.path.strip("/"):
-            raise StepError(f"--source '{redact(uri)}': an http(s) source needs a host and a "
-                            "file path")
-        return Source("http", uri.strip())
-    if scheme == "file":
-        return Source("file", uri.strip(), path=_file_path(uri, parts))
-    return Source("synthetic", uri.strip(), synthetic=_synthetic_params(uri, parts))
+    """Parse ``--source`` with :func:`steps.uris.parse`; a bad URI is a StepError naming it."""
+    parsed = uris.parse(uri, "--source", uris.SOURCE_KINDS)
+    if parsed.kind == "s3" and not parsed.key.strip("/"):
+        raise StepError(f"--source '{uri}': an s3 source needs s3://bucket/key")
+    synthetic = _synthetic_params(parsed) if parsed.kind == "synthetic" else {}
+    return Source(parsed.kind, parsed.text, parsed.path, synthetic, parsed.name)
 
 
-def _file_path(uri: str, parts) -> Path:
-    """file:///abs/path, file://localhost/abs/path, or file://relative/path."""
-    if parts.netloc in ("", "localhost"):
-        raw = parts.path
-    else:
-        raw = parts.netloc + parts.path
-    if not raw:
-        raise StepError(f"--source '{uri}': a file source needs a path (file:///data/x.tar)")
-    return Path(unquote(raw))
-
-
-def _synthetic_params(uri: str, parts) -> dict[str, Any]:
+def _synthetic_params(parsed: uris.Uri) -> dict[str, Any]:
     """cases (≥1), shape (HxWxD), seed (≥0) and test (≥0) from the query string."""
-    if parts.netloc or parts.path.strip("/"):
-        raise StepError(f"--source '{uri}': write synthetic://?cases=N&shape=HxWxD&seed=S")
+    uri, query = parsed.text, parsed.query
     try:
-        pairs = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
     except ValueError:
-        raise StepError(f"--source '{uri}': malformed query '{parts.query}'") from None
+        raise StepError(f"--source '{uri}': malformed query '{query}'") from None
     params = dict(SYNTHETIC_DEFAULTS)
     seen = set()
     for key, value in pairs:
@@ -152,6 +113,7 @@ def _synthetic_params(uri: str, parts) -> dict[str, Any]:
            "seed": _int_param(uri, "seed", params["seed"], 0),
            "test": _int_param(uri, "test", params["test"], 0),
            "shape": _shape_param(uri, str(params["shape"]))}
+    limits.check("max_cases", out["cases"] + out["test"], f"--source '{uri}': cases + test")
     return out
 
 
@@ -173,6 +135,11 @@ def _shape_param(uri: str, value: str) -> tuple[int, int, int]:
     if any(s < m for s, m in zip(shape, MIN_SHAPE)):
         raise StepError(f"--source '{uri}': shape={value} is smaller than the minimum "
                         f"{'x'.join(map(str, MIN_SHAPE))}")
+    voxels = shape[0] * shape[1] * shape[2]
+    limits.check("max_volume_bytes", voxels * 4 * 4, f"--source '{uri}': shape={value} "
+                 "(4 float32 channels)")
+    # Generating a case holds the image, the tissue map and a few float32 temporaries.
+    limits.check_memory(voxels * 4 * 12, f"--source '{uri}': shape={value}")
     return shape  # type: ignore[return-value]
 
 
@@ -198,24 +165,54 @@ def resolve_md5(md5: str, source: Source) -> str | None:
 
 def cache_name(source: Source) -> str:
     """Cache file name: a short hash of the URI (without query) plus the object's name."""
-    stable = urlunsplit(urlsplit(source.uri)._replace(query="", fragment=""))
-    digest = hashlib.sha256(stable.encode()).hexdigest()[:12]
-    return f"{digest}-{source.file_name or 'download'}"
+    digest = hashlib.sha256(uris.stable(source.uri).encode())
+    return f"{digest.hexdigest()[:12]}-{source.file_name or 'download'}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(8 * _CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def trust_cached(dest: Path) -> None:
+    """Mark a cached download good (its size and sha256), after a run that used it worked."""
+    marker = dest.with_name(dest.name + _VERIFIED)
+    marker.write_text(json.dumps({"size": dest.stat().st_size, "sha256": _sha256(dest)}))
+
+
+def forget_cached(dest: Path) -> None:
+    """Drop a cached download and its mark: a run that used it failed."""
+    for path in (dest, dest.with_name(dest.name + _VERIFIED)):
+        path.unlink(missing_ok=True)
+
+
+def _trusted(dest: Path) -> bool:
+    """A cached file is reused only with a mark whose size and sha256 it still has."""
+    try:
+        mark = json.loads(dest.with_name(dest.name + _VERIFIED).read_text())
+        return (dest.stat().st_size == mark["size"] and _sha256(dest) == mark["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def fetch(source: Source, cache_dir: Path, progress: bool = True) -> tuple[Path, bool]:
     """Make the archive local; return (path, is_cached_copy).
 
-    A finished file in the cache is reused; an unfinished ``.part`` is resumed.
+    A cached file is reused only when an earlier run that used it succeeded and it still
+    has that run's sha256; an unfinished ``.part`` is resumed.
     """
     if source.kind == "file":
         assert source.path is not None
         return source.path, False
     cache_dir.mkdir(parents=True, exist_ok=True)
     dest = cache_dir / cache_name(source)
-    if dest.is_file():
+    if dest.is_file() and _trusted(dest):
         print(f"download: using cached {dest}", file=sys.stderr)
         return dest, True
+    forget_cached(dest)
     if source.kind == "http":
         http_download(source.uri, dest, progress=progress)
     else:
@@ -230,7 +227,7 @@ def s3_download(uri: str, dest: Path, progress: bool = True) -> Path:
     other bucket signed from the configured endpoint.
     """
     from steps import storage
-    storage.download_file(uri, dest, resume=True, progress=progress)
+    storage.download_file(uri, dest, resume=True, progress=progress, limit="max_download_bytes")
     return dest
 
 
@@ -267,15 +264,23 @@ def http_download(url: str, dest: Path, *, retries: int = HTTP_RETRIES,
                 if failures:
                     time.sleep(min(backoff_s * 2 ** (failures - 1), 60.0))
     os.replace(part, dest)
+    part.with_name(part.name + ".validator").unlink(missing_ok=True)
     return dest
 
 
 def _http_attempt(url: str, part: Path, timeout_s: float, bar: tqdm) -> None:
-    """One GET from the current end of ``part``; raises _Transient when incomplete."""
+    """One GET from the current end of ``part``; raises _Transient when incomplete.
+
+    A resumed request carries ``If-Range`` with the validator (strong ETag or Last-Modified)
+    of the response that began ``part``, so a changed file is sent whole, from zero.
+    """
     offset = part.stat().st_size if part.exists() else 0
+    validator = part.with_name(part.name + ".validator")
     headers = {"User-Agent": f"unet-argo/{__version__}"}
     if offset:
         headers["Range"] = f"bytes={offset}-"
+        if validator.is_file():
+            headers["If-Range"] = validator.read_text().strip()
     try:
         response = urlopen(Request(url, headers=headers), timeout=timeout_s)
     except HTTPError as exc:
@@ -285,14 +290,27 @@ def _http_attempt(url: str, part: Path, timeout_s: float, bar: tqdm) -> None:
         raise _Transient(str(getattr(exc, "reason", exc))) from None
     with response:
         offset, total = _resume_point(response, offset)
+        if total is not None:
+            limits.check("max_download_bytes", total, f"download of {redact(url)}")
+        if offset == 0:
+            _note_validator(response, validator)
         bar.total = total
         bar.n = offset
         bar.refresh()
-        received = _stream(response, part, offset, bar)
+        received = _stream(response, part, offset, bar, url)
     size = offset + received
     if total is not None and size < total:
         raise _Transient(f"connection closed after {size} of {total} bytes",
                          progressed=received > 0)
+
+
+def _note_validator(response, path: Path) -> None:
+    etag = response.headers.get("ETag", "")
+    value = etag if etag and not etag.startswith("W/") else response.headers.get("Last-Modified")
+    if value and "\n" not in value:
+        path.write_text(value)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _http_error(url: str, part: Path, offset: int, exc: HTTPError) -> None:
@@ -327,8 +345,11 @@ def _range_total(content_range: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _stream(response, part: Path, offset: int, bar: tqdm) -> int:
-    """Append the response body to ``part`` at ``offset``; return the bytes received."""
+def _stream(response, part: Path, offset: int, bar: tqdm, url: str) -> int:
+    """Append the response body to ``part`` at ``offset``; return the bytes received.
+
+    A body without a length stops at ``max_download_bytes``."""
+    allowed = limits.get("max_download_bytes")
     received = 0
     try:
         with open(part, "r+b" if offset else "wb") as out:
@@ -342,6 +363,9 @@ def _stream(response, part: Path, offset: int, bar: tqdm) -> int:
                                      progressed=received > 0) from None
                 if not chunk:
                     return received
+                if offset + received + len(chunk) > allowed:
+                    limits.check("max_download_bytes", offset + received + len(chunk),
+                                 f"download of {redact(url)} (still streaming)")
                 out.write(chunk)
                 received += len(chunk)
                 bar.update(len(chunk))
@@ -386,6 +410,8 @@ def member_target(member: tarfile.TarInfo, archive: Path) -> PurePosixPath | Non
                         f" link to '{member.linkname}'")
     if member.ischr() or member.isblk() or member.isfifo():
         raise StepError(f"unsafe archive {where} is a device or fifo")
+    if member.issparse() or any(key.startswith("GNU.sparse") for key in member.pax_headers):
+        raise StepError(f"unsafe archive {where} is a sparse file (claims {member.size} bytes)")
     if not (member.isfile() or member.isdir()):
         raise StepError(f"unsafe archive {where} has unsupported type {member.type!r}")
     if not rel.parts or "__MACOSX" in rel.parts or rel.name.startswith("._"):
@@ -405,12 +431,34 @@ class _CountingReader:
         return data
 
 
+class _Budget:
+    """The extraction limits of one archive or source directory, checked before each write."""
+
+    def __init__(self, label: str):
+        self.label, self.members, self.total = label, 0, 0
+        self.max_members = limits.get("max_members")
+        self.max_member = limits.get("max_member_bytes")
+        self.max_total = limits.get("max_extract_bytes")
+
+    def take(self, name: str, size: int) -> None:
+        self.members += 1
+        self.total += size
+        if self.members > self.max_members:
+            limits.check("max_members", self.members, f"{self.label}: at member '{name}'")
+        if size > self.max_member:
+            limits.check("max_member_bytes", size, f"{self.label}: member '{name}'")
+        if self.total > self.max_total:
+            limits.check("max_extract_bytes", self.total, f"{self.label}: up to '{name}'")
+
+
 def extract_tar(archive: Path, dest: Path, progress: bool = True) -> int:
     """Stream-extract ``archive`` (tar, tar.gz, tar.bz2, tar.xz) into ``dest``; return files.
 
-    Members are read one at a time (mode ``r|*``), so memory stays flat for a 7 GB tar.
+    Members are read one at a time (mode ``r|*``), so memory stays flat for a 7 GB tar; each
+    one's declared size is held to the limits before a byte of it is written.
     """
     dest.mkdir(parents=True, exist_ok=True)
+    budget = _Budget(archive.name)
     files = 0
     with open(archive, "rb") as handle, tqdm(total=archive.stat().st_size, desc="extract",
                                              unit="B", unit_scale=True, unit_divisor=1024,
@@ -419,6 +467,7 @@ def extract_tar(archive: Path, dest: Path, progress: bool = True) -> int:
             with tarfile.open(fileobj=_CountingReader(handle, bar), mode="r|*") as tar:
                 for member in tar:
                     rel = member_target(member, archive)
+                    budget.take(member.name, member.size if member.isfile() else 0)
                     if rel is None:
                         continue
                     target = dest.joinpath(*rel.parts)
@@ -454,26 +503,66 @@ def locate_task(root: Path, label: str) -> Path:
                        if found else ""))
 
 
-def copy_task(task: Path, dest: Path) -> None:
-    """Copy an extracted task directory, following symlinks, without macOS ``._*`` files."""
-    shutil.copytree(task, dest, copy_function=shutil.copyfile,
-                    ignore=shutil.ignore_patterns("._*", "__MACOSX", ".DS_Store"))
+def _regular(path: Path, root: Path, label: str) -> os.stat_result:
+    """lstat of ``path``, which must be a regular file (not a link, fifo or device) whose
+    real location is inside ``root``."""
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        raise StepError(f"{label}: {path} cannot be read ({exc.strerror or exc})") from None
+    if stat.S_ISLNK(info.st_mode):
+        raise StepError(f"{label}: {path} is a symbolic link; only regular files are copied")
+    if not stat.S_ISREG(info.st_mode):
+        raise StepError(f"{label}: {path} is not a regular file (a fifo, device or directory)")
+    if not path.resolve().is_relative_to(root):
+        raise StepError(f"{label}: {path} lies outside {root} (through a linked directory)")
+    return info
+
+
+def copy_task(task: Path, root: Path, dest: Path) -> None:
+    """Copy ``dataset.json`` and exactly the files it lists from ``task`` (inside the source
+    directory ``root``) to ``dest``. Nothing else is read: no link is followed out of
+    ``root``, and a listed link, fifo or device is refused by name."""
+    label = f"--source {root}"
+    root = root.resolve()
+    if not task.resolve().is_relative_to(root):
+        raise StepError(f"{label}: {task} lies outside the source directory")
+    _regular(task / DATASET_JSON, root, label)
+    listed = listed_paths(read_spec(task / DATASET_JSON), f"{TASK}/{DATASET_JSON}")
+    budget = _Budget(label)
+    for rel in [DATASET_JSON, *listed]:
+        source = task.joinpath(*PurePosixPath(rel).parts)
+        info = _regular(source, root, label)
+        budget.take(rel, info.st_size)
+        target = dest.joinpath(*PurePosixPath(rel).parts)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        with os.fdopen(os.open(source, flags), "rb") as src, open(target, "wb") as out:
+            shutil.copyfileobj(src, out, _CHUNK)
 
 
 # ----------------------------------------------------------------------------- validation
 
-def validate_task(task: Path) -> tuple[int, int]:
-    """Check ``dataset.json`` against the files; return (training cases, test cases).
-
-    Errors name the task-relative file: the first missing image or label, or the bad key.
-    """
+def read_spec(path: Path) -> dict[str, Any]:
+    """The task's ``dataset.json`` as a JSON object."""
     where = f"{TASK}/{DATASET_JSON}"
     try:
-        meta = json.loads((task / DATASET_JSON).read_text())
+        meta = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
         raise StepError(f"{where} is not valid JSON: {exc}") from None
+    except OSError as exc:
+        raise StepError(f"{where} cannot be read ({exc.strerror or exc})") from None
     if not isinstance(meta, dict):
         raise StepError(f"{where} must hold a JSON object")
+    return meta
+
+
+def listed_paths(meta: dict[str, Any], where: str) -> list[str]:
+    """Every image and label path ``dataset.json`` lists, each a clean relative path.
+
+    The structure is checked here: the modality and labels maps, the training list (at most
+    ``max_cases``), the counts, and each entry's paths.
+    """
     for key in ("modality", "labels"):
         if not isinstance(meta.get(key), dict) or not meta[key]:
             raise StepError(f"{where} has no '{key}' map")
@@ -483,29 +572,39 @@ def validate_task(task: Path) -> tuple[int, int]:
     test = meta.get("test", [])
     if not isinstance(test, list):
         raise StepError(f"{where}: 'test' must be a list")
+    limits.check("max_cases", len(training) + len(test), f"{where}: training + test")
     for key, entries in (("numTraining", training), ("numTest", test)):
         if key in meta and meta[key] != len(entries):
             raise StepError(f"{where}: {key} is {meta[key]} but the list has {len(entries)}")
+    paths = []
     for index, entry in enumerate(training):
         if not isinstance(entry, dict) or not all(isinstance(entry.get(k), str)
                                                   for k in ("image", "label")):
             raise StepError(f"{where}: training[{index}] needs 'image' and 'label' paths")
-        _check_listed(task, where, entry["image"])
-        _check_listed(task, where, entry["label"])
+        paths += [entry["image"], entry["label"]]
     for index, entry in enumerate(test):
         image = entry.get("image") if isinstance(entry, dict) else entry
         if not isinstance(image, str):
             raise StepError(f"{where}: test[{index}] is not an image path")
-        _check_listed(task, where, image)
-    return len(training), len(test)
+        paths.append(image)
+    for listed in paths:
+        rel = PurePosixPath(listed)
+        if rel.is_absolute() or ".." in rel.parts or not rel.parts or "\\" in listed:
+            raise StepError(f"{where} lists '{listed}', which is not a path inside {TASK}")
+    return list(dict.fromkeys(PurePosixPath(p).as_posix() for p in paths))
 
 
-def _check_listed(task: Path, where: str, listed: str) -> None:
-    rel = PurePosixPath(listed)
-    if rel.is_absolute() or ".." in rel.parts or not rel.parts:
-        raise StepError(f"{where} lists '{listed}', which is not a path inside {TASK}")
-    if not task.joinpath(*rel.parts).is_file():
-        raise StepError(f"{where} lists {listed} but {TASK}/{rel.as_posix()} is missing")
+def validate_task(task: Path) -> tuple[int, int]:
+    """Check ``dataset.json`` against the files; return (training cases, test cases).
+
+    Errors name the task-relative file: the first missing image or label, or the bad key.
+    """
+    where = f"{TASK}/{DATASET_JSON}"
+    meta = read_spec(task / DATASET_JSON)
+    for rel in listed_paths(meta, where):
+        if not task.joinpath(*PurePosixPath(rel).parts).is_file():
+            raise StepError(f"{where} lists {rel} but {TASK}/{rel} is missing")
+    return len(meta["training"]), len(meta.get("test", []))
 
 
 # ----------------------------------------------------------------------------- the step
@@ -522,17 +621,15 @@ def build_raw(source: Source, staging: Path, cache_dir: Path, md5: str | None,
         if not source.path.exists():
             raise StepError(f"--source '{source.uri}': {source.path} does not exist")
         if source.path.is_dir():
-            copy_task(locate_task(source.path, str(source.path)), target)
+            copy_task(locate_task(source.path, str(source.path)), source.path, target)
             (target / "imagesTs").mkdir(exist_ok=True)
             return target
+        if not source.path.is_file():
+            raise StepError(f"--source '{source.uri}': {source.path} is not a regular file "
+                            "or directory")
     archive, cached = fetch(source, cache_dir, progress)
     if md5:
-        try:
-            check_md5(archive, md5, progress)
-        except StepError:
-            if cached:
-                archive.unlink()  # a corrupt download must not be reused by the next run
-            raise
+        check_md5(archive, md5, progress)
     scratch = staging / ".extract"
     extract_tar(archive, scratch, progress)
     os.replace(locate_task(scratch, archive.name), target)
@@ -566,9 +663,10 @@ def _parser() -> argparse.ArgumentParser:
              f"({PUBLISHED_MD5['Task01_BrainTumour.tar']}); '' skips the check")
     parser.add_argument(
         "--cache-dir", default=None, metavar="DIR",
-        help="where downloads are kept while they run ('.part' files are resumed by the next "
-             "run). Default: .<raw name>.download beside --raw, removed after success; an "
-             "explicit --cache-dir is kept and its finished files are reused")
+        help="where downloads are kept ('.part' files are resumed by the next run). Default: "
+             "inside --raw while the step runs, removed with it on success or failure. An "
+             "explicit --cache-dir is kept; a finished file in it is reused only after a run "
+             "that used it succeeded, and only while its sha256 is unchanged")
     parser.add_argument(
         "--no-progress", action="store_true",
         help="no progress bars on stderr (errors and the final summary still print)")
@@ -580,15 +678,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     source = parse_source(args.source)
     md5 = resolve_md5(args.md5, source)
     raw = Path(args.raw)
-    cache_dir = Path(args.cache_dir) if args.cache_dir else raw.parent / f".{raw.name}.download"
     progress = not args.no_progress
     params = {"source": redact(source.uri), "md5": args.md5}
     started = time.monotonic()
     with publish(raw, ARTIFACT, STEP, params) as staging:
-        task = build_raw(source, staging, cache_dir, md5, progress)
-        n_train, n_test = validate_task(task)
-    if not args.cache_dir:
-        shutil.rmtree(cache_dir, ignore_errors=True)
+        cache_dir = Path(args.cache_dir) if args.cache_dir else staging / ".download"
+        try:
+            task = build_raw(source, staging, cache_dir, md5, progress)
+            n_train, n_test = validate_task(task)
+        except BaseException:
+            if args.cache_dir and source.kind in ("http", "s3"):
+                forget_cached(cache_dir / cache_name(source))  # never trusted by a later run
+            raise
+        if not args.cache_dir:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+        elif source.kind in ("http", "s3"):
+            trust_cached(cache_dir / cache_name(source))
     size = sum(p.stat().st_size for p in raw.rglob("*") if p.is_file())
     print(f"download: {n_train} training + {n_test} test cases of {TASK} from "
           f"{redact(source.uri)} -> {raw} ({size / 2**20:.1f} MiB, "

@@ -13,6 +13,7 @@ written as a uint8 NIfTI with the input's shape (x, y, z) and affine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from steps import limits
 from steps.errors import OneLineArgumentParser, StepError, run_main
 
 INPUT_NAME = "image"
@@ -77,7 +79,36 @@ def read_contract(session, path: Path | str) -> dict[str, Any]:
     except (KeyError, ValueError, TypeError):
         raise StepError(f"--onnx {path}: no preprocessing metadata (not written by "
                         "steps.convert)") from None
+    check_contract(session, contract, path)
     return contract
+
+
+def check_contract(session, contract: dict[str, Any], path: Path | str) -> None:
+    """The metadata must be sane and agree with the graph: input ``image`` (N, C, H, W) with
+    C channels, output ``logits`` (N, K, H, W) with K the number of labels (where the graph
+    fixes those dimensions; :func:`segment` checks K again on what the model returns)."""
+    labels, channels = contract["labels"], contract["channels"]
+    multiple = contract["size_multiple"]
+    if not (isinstance(labels, dict) and 2 <= len(labels) <= 256
+            and sorted(labels) == sorted(str(i) for i in range(len(labels)))):
+        raise StepError(f"--onnx {path}: metadata 'labels' must map '0'..'N-1' (2 to 256 "
+                        "classes) to names")
+    if not (isinstance(multiple, int) and 1 <= multiple <= 1024):
+        raise StepError(f"--onnx {path}: metadata size_multiple {multiple!r} is not 1..1024")
+    if not (isinstance(channels, list) and channels
+            and all(isinstance(c, str) for c in channels)):
+        raise StepError(f"--onnx {path}: metadata 'channels' must be a list of names")
+    if contract.get("mode", "default") not in ("default", "anchor"):
+        raise StepError(f"--onnx {path}: metadata mode {contract.get('mode')!r} is unknown")
+    inputs = {i.name: i.shape for i in session.get_inputs()}
+    outputs = {o.name: o.shape for o in session.get_outputs()}
+    for name, table, want in ((INPUT_NAME, inputs, len(channels)),
+                              (OUTPUT_NAME, outputs, len(labels))):
+        shape = table.get(name)
+        if shape is None or len(shape) != 4 or (isinstance(shape[1], int) and shape[1] != want):
+            raise StepError(f"--onnx {path}: {name} is {shape}, the metadata needs "
+                            f"(N, {want}, H, W) for {want} "
+                            f"{'channels' if name == INPUT_NAME else 'classes'}")
 
 
 # ---------------------------------------------------------------------- preprocessing
@@ -130,15 +161,24 @@ def prepare(path: Path | str, contract: dict[str, Any]) -> Prepared:
 
 # -------------------------------------------------------------------------- inference
 
-def segment(session, image: np.ndarray, multiple: int,
+def segment(session, image: np.ndarray, multiple: int, n_classes: int,
             batch: int = DEFAULT_BATCH) -> np.ndarray:
-    """Slice-wise argmax labels (D, H, W) uint8 of a normalised image (C, D, H, W)."""
-    _, depth, height, width = image.shape
+    """Slice-wise argmax labels (D, H, W) uint8 of a normalised image (C, D, H, W).
+
+    The logits must be (N, n_classes, H, W) for the (N, C, H, W) batch sent, so no label
+    outside the model's metadata can be written."""
+    channels, depth, height, width = image.shape
+    limits.check_memory(4 * min(batch, depth) * (channels + n_classes)
+                        * (height + multiple) * (width + multiple), f"--batch-size {batch}")
     fill = background_fill(image)
     labels = np.empty((depth, height, width), dtype=np.uint8)
     for start in range(0, depth, batch):
         x = pad_to_multiple(image[:, start:start + batch].transpose(1, 0, 2, 3), multiple, fill)
         logits = session.run([OUTPUT_NAME], {INPUT_NAME: x})[0]
+        if logits.shape != (x.shape[0], n_classes) + x.shape[2:]:
+            raise StepError(f"the model returned logits {list(logits.shape)} for input "
+                            f"{list(x.shape)}; its metadata needs {n_classes} classes at the "
+                            "input's size")
         labels[start:start + batch] = logits[..., :height, :width].argmax(axis=1)
     return labels
 
@@ -163,10 +203,15 @@ def write_label(labels: np.ndarray, affine: np.ndarray, path: Path) -> None:
 
     image = nib.Nifti1Image(labels, affine)
     image.set_data_dtype(np.uint8)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".part" + "".join(path.suffixes))
-    nib.save(image, str(tmp))
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        nib.save(image, str(tmp))
+        tmp.replace(path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise StepError(f"--out {path}: cannot write it ({exc.strerror or exc})") from None
 
 
 # -------------------------------------------------------------------------------- CLI
@@ -195,7 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     session = open_session(args.onnx)
     contract = read_contract(session, args.onnx)
     prepared = prepare(args.image, contract)
-    labels = segment(session, prepared.image, int(contract["size_multiple"]), args.batch_size)
+    labels = segment(session, prepared.image, int(contract["size_multiple"]),
+                     len(contract["labels"]), args.batch_size)
     full = restore(labels, prepared, contract.get("mode", "default"))
     write_label(full, prepared.volume.affine, args.out)
     counts = {contract["labels"].get(str(v), str(v)): int(n)

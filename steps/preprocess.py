@@ -61,8 +61,8 @@ import numpy as np
 from nibabel.orientations import apply_orientation, io_orientation, ornt2axcodes
 from tqdm import tqdm
 
-from steps import nifti
-from steps.artifacts import publish, require
+from steps import limits, nifti
+from steps.artifacts import inside, publish, require
 from steps.dataset import DATASET_JSON, FORMAT_VERSION, kfold_split, torch_view
 from steps.errors import OneLineArgumentParser, StepError, run_main
 
@@ -70,6 +70,9 @@ MODES = ("default", "anchor")
 IMAGE_DTYPES = ("float16", "float32")
 DEFAULT_PATCH = "192x160"
 CASES_DIR = "cases"
+# Image and label affines are float32 in the header; 1e-3 mm is far below any voxel size
+# and far above float32 rounding of a 100 mm offset (~1e-5).
+AFFINE_TOLERANCE_MM = 1e-3
 STATISTICS = ("mean and population std (ddof=0) per channel, in float64, over every voxel of "
               "the foreground-cropped volume, zeros included; std 0 counts as 1")
 
@@ -113,12 +116,9 @@ def _index_map(spec: dict[str, Any], key: str, path: Path) -> dict[int, str]:
         raise StepError(f"{path}: '{key}' keys must be integers, got {sorted(table)}") from None
 
 
-def _inside(task: Path, rel: Any, spec_path: Path) -> Path:
-    if not isinstance(rel, str) or not rel:
-        raise StepError(f"{spec_path}: a 'training' entry has no image or label path")
-    path = (task / rel).resolve()
-    if task.resolve() not in path.parents:
-        raise StepError(f"{spec_path}: {rel} points outside the task directory")
+def _listed_file(task: Path, rel: Any, spec_path: Path) -> Path:
+    """The file a 'training' entry names: inside the task directory, and present."""
+    path = inside(task, rel, str(spec_path))
     if not path.is_file():
         raise StepError(f"{spec_path}: {rel} is listed but missing")
     return path
@@ -148,12 +148,13 @@ def read_task(task: Path) -> dict[str, Any]:
     training = spec.get("training")
     if not isinstance(training, list) or not training:
         raise StepError(f"{spec_path}: 'training' list is missing or empty")
+    limits.check("max_cases", len(training), f"{spec_path}: 'training'")
     pairs = {}
     for entry in training:
         if not isinstance(entry, dict):
             raise StepError(f"{spec_path}: 'training' entries must be objects")
-        image = _inside(task, entry.get("image"), spec_path)
-        label = _inside(task, entry.get("label"), spec_path)
+        image = _listed_file(task, entry.get("image"), spec_path)
+        label = _listed_file(task, entry.get("label"), spec_path)
         name = case_name(image)
         if name in pairs:
             raise StepError(f"{spec_path}: case {name} is listed twice")
@@ -226,6 +227,15 @@ def _label(volume: nifti.Volume, spatial: tuple[int, ...], job: Job) -> np.ndarr
         data = data.astype(np.uint8)
     _check_label_values(data, job)
     return data
+
+
+def check_same_grid(image: nifti.Volume, label: nifti.Volume, job: Job) -> None:
+    """The label must lie on the image's grid: affines equal within AFFINE_TOLERANCE_MM."""
+    gap = float(np.abs(image.affine - label.affine).max())
+    if gap > AFFINE_TOLERANCE_MM:
+        raise StepError(f"case {job.name}: label {label.path.name} affine differs from image "
+                        f"{image.path.name} affine by up to {gap:.3g} (tolerance "
+                        f"{AFFINE_TOLERANCE_MM} mm); the label would be read on the wrong grid")
 
 
 def reorient(image: np.ndarray, label: np.ndarray | None, volume: nifti.Volume,
@@ -327,6 +337,7 @@ def _write_case(job: Job) -> dict[str, Any]:
         raise StepError(f"case {job.name}: {exc}") from None
     image = _image_channels_last(image_vol, job)
     label = _label(label_vol, image.shape[:3], job)
+    check_same_grid(image_vol, label_vol, job)
     image, label, zooms, source = reorient(image, label, image_vol, job.mode)
     image = image.transpose(3, 2, 1, 0)   # (C, D, H, W) = (c, z, y, x)
     label = label.transpose(2, 1, 0)      # (D, H, W)

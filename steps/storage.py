@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import sys
 import threading
 from pathlib import Path, PurePosixPath
@@ -36,6 +35,7 @@ from botocore.config import Config
 from botocore.utils import determine_content_length
 from tqdm import tqdm
 
+from steps import limits, uris
 from steps.artifacts import MANIFEST, list_files, require
 from steps.errors import StepError
 
@@ -45,7 +45,6 @@ DEFAULT_PART_MB = 64
 DEFAULT_CONCURRENCY = 4
 # Public buckets that hold MSD on AWS; read unsigned from AWS whatever endpoint is configured.
 PUBLIC_BUCKETS = {"msd-for-monai": "us-west-2", "msd-for-monai-eu": "eu-west-2"}
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,61}[a-z0-9]$")
 _STREAM_CHUNK = 1 * MiB
 _AUTH_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403",
                "InvalidToken", "ExpiredToken", "AuthorizationHeaderMalformed", "Forbidden"}
@@ -112,13 +111,8 @@ def configured_region() -> str:
 
 def parse_uri(uri: str) -> tuple[str, str]:
     """``s3://bucket/key/prefix`` → ``("bucket", "key/prefix")``; the key may be empty."""
-    if not isinstance(uri, str) or not uri.startswith("s3://"):
-        raise StepError(f"'{uri}' is not an S3 URI (expected s3://bucket/key)")
-    bucket, _, key = uri[len("s3://"):].partition("/")
-    if not _BUCKET_RE.match(bucket):
-        raise StepError(f"'{uri}': bucket name '{bucket}' is not valid "
-                        "(3-63 lower-case letters, digits, '.', '-')")
-    return bucket, key
+    parsed = uris.parse(uri, "S3 URI", ("s3",))
+    return parsed.bucket, parsed.key
 
 
 def _prefix(key: str) -> str:
@@ -558,7 +552,8 @@ def _read_state(path: Path) -> dict:
 
 def download_file(uri: str, dest: Path | str, *, anonymous: bool | None = None,
                   resume: bool = True, progress: bool = True, client=None,
-                  on_bytes: Progress | None = None, chunk_size: int = _STREAM_CHUNK) -> int:
+                  on_bytes: Progress | None = None, chunk_size: int = _STREAM_CHUNK,
+                  limit: str | None = None) -> int:
     """Stream one object to ``dest``; return the bytes fetched by this call.
 
     Data goes to ``dest.part`` (its ETag and size noted in ``dest.part.json``) and is renamed
@@ -566,6 +561,7 @@ def download_file(uri: str, dest: Path | str, *, anonymous: bool | None = None,
     object's ETag and size are unchanged, and starts over otherwise. A dropped stream is
     resumed from where it stopped, up to ``UNET_S3_MAX_ATTEMPTS`` times. ``anonymous=None``
     reads the known public MSD buckets unsigned from AWS and everything else signed.
+    ``limit`` names a :mod:`steps.limits` size limit the object must keep to.
     """
     bucket, key = parse_uri(uri)
     dest = Path(dest)
@@ -577,6 +573,8 @@ def download_file(uri: str, dest: Path | str, *, anonymous: bool | None = None,
         raise StorageError(f"downloading {uri}: no such object "
                            f"(endpoint {s3.meta.endpoint_url}, bucket '{bucket}')")
     size, etag = int(head["ContentLength"]), head.get("ETag", "")
+    if limit:
+        limits.check(limit, size, f"downloading {uri}")
     dest.parent.mkdir(parents=True, exist_ok=True)
     state = _read_state(state_path) if resume else {}
     have = part.stat().st_size if part.is_file() else 0
@@ -612,6 +610,9 @@ def _stream(s3, uri: str, etag: str, size: int, out, counter: _Counter,
                 body = s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-",
                                      **extra)["Body"]
             for chunk in body.iter_chunks(chunk_size):
+                if out.tell() + len(chunk) > size:
+                    raise StorageError(f"downloading {uri}: the endpoint sent more than the "
+                                       f"{size} bytes the object has")
                 out.write(chunk)
                 counter(len(chunk))
         except (bexc.ResponseStreamingError, bexc.ReadTimeoutError, ConnectionError,

@@ -36,10 +36,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from steps import devices
+from steps import devices, limits, uris
 from steps.artifacts import manifest_digest, publish
 from steps.checkpoints import CheckpointStore, best_name, serialize
-from steps.dataset import fold_names, open_cases, read_metadata
+from steps.dataset import check_values, fold_names, open_cases, read_metadata
 from steps.errors import OneLineArgumentParser, StepError, run_main
 
 STEP = "train"
@@ -143,6 +143,21 @@ def check_args(args: argparse.Namespace) -> None:
     if args.min_epochs > args.max_epochs:
         raise StepError(f"--min-epochs {args.min_epochs} exceeds --max-epochs "
                         f"{args.max_epochs}")
+    for flag, uri in (("--checkpoint-uri", args.checkpoint_uri),
+                      ("--resume-from", args.resume_from)):
+        if uri:
+            uris.parse(uri, flag, uris.CHECKPOINT_KINDS)
+
+
+def check_batch_memory(args: argparse.Namespace, meta: dict[str, Any]) -> None:
+    """A host batch (float32 image and uint8 label patches, twice for the batch prepared
+    ahead) must fit in memory before anything is allocated."""
+    height, width = meta["patch_size"]
+    per_slice = height * width * (4 * len(meta["channels"]) + 1)
+    for flag, batch in (("--batch-size", args.batch_size),
+                        ("--val-batch-size", args.val_batch_size)):
+        limits.check_memory(2 * batch * per_slice,
+                            f"{flag} {batch} of {height}x{width} patches")
 
 
 # ------------------------------------------------------------------------ preflight
@@ -214,6 +229,10 @@ def preflight(args: argparse.Namespace) -> Plan:
     train_names, val_names = fold_names(meta, args.fold)
     if not train_names or not val_names:
         raise StepError(f"--fold {args.fold} has no training or no validation cases")
+    check_batch_memory(args, meta)
+    cases = open_cases(args.dataset, meta, train_names + val_names)
+    if rank == 0 and os.environ.get(_CHECKED_ENV) != "1":
+        check_values(cases, len(meta["labels"]))
     model_dir = Path(args.model)
     if model_dir.exists() and (not model_dir.is_dir() or any(model_dir.iterdir())):
         raise StepError(f"--model {model_dir} must be an empty or absent directory")

@@ -441,7 +441,7 @@ def test_dataset_json_contents_are_checked(tmp_path, edit, needle):
 
 @pytest.mark.parametrize("source,needle", [
     ("ftp://example.org/x.tar", "unsupported scheme 'ftp'"),
-    ("/data/Task01_BrainTumour.tar", "unsupported scheme ''"),
+    ("/data/Task01_BrainTumour.tar", "a plain path is not accepted"),
     ("s3://bucket-only", "s3://bucket/key"),
     ("synthetic://?cases=two", "cases='two' is not an integer"),
     ("synthetic://?shape=10x10", "shape='10x10' is not HxWxD"),

@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic import AfterValidator
 
+from steps import uris
 from steps.errors import StepError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -127,8 +128,21 @@ class Retry(_Strict):
                                          "deadline, each attempt has its step's timeout")
 
 
+def _place(key: str, kinds: tuple[str, ...]):
+    """An AfterValidator that reads a URI with the steps' own parser (steps.uris)."""
+    def check(value: str) -> str:
+        if value:
+            try:
+                uris.parse(value, key, kinds)
+            except StepError as exc:
+                raise ValueError(str(exc)) from None
+        return value
+    return AfterValidator(check)
+
+
 class Download(_Strict):
-    source: str = Field(pattern=_URI)
+    source: Annotated[str, Field(pattern=_URI),
+                      _place("download.source", uris.SOURCE_KINDS)]
     md5: str = Field("", pattern=r"^([0-9a-f]{32})?$")
 
 
@@ -162,8 +176,8 @@ class Train(_Strict):
     hpu_mode: Literal["compile", "lazy", "eager"] = "compile"
     checkpoint_minutes: float = Field(10, gt=0)
     resume: Literal["auto", "never"] = "auto"
-    resume_from: str = Field("", pattern=r"^(s3://\S+)?$",
-                             description="s3:// checkpoints of an earlier run, or empty")
+    resume_from: Annotated[str, _place("train.resume_from", ("s3",))] = Field(
+        "", pattern=r"^(s3://\S+)?$", description="s3:// checkpoints of an earlier run, or empty")
 
 
 class Convert(_Strict):

@@ -1,0 +1,119 @@
+"""The one URI parser: every flag or config value that names a place goes through here.
+
+A caller says which kinds it accepts; the same text is read the same way by every step, and
+a refusal is one line naming the flag, the (redacted) URI and what is wrong.
+
+=============  ================================================  ===========================
+kind           forms                                             parsed into
+=============  ================================================  ===========================
+``s3``         ``s3://bucket/key``                               ``bucket``, ``key``
+``http``       ``https://host/path``, ``http://host/path``       ``text``
+``file``       ``file:///abs``, ``file://localhost/abs``,        ``path``
+               ``file://relative/path``
+``path``       a plain local path, no scheme (``/data/ck``)      ``path``
+``synthetic``  ``synthetic://?query``                            ``query``
+=============  ================================================  ===========================
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
+
+from steps.errors import StepError
+
+KINDS = ("s3", "http", "file", "path", "synthetic")
+# What each kind of place accepts (the flags and the config keys that feed them).
+SOURCE_KINDS = ("s3", "http", "file", "synthetic")      # download --source, download.source
+CHECKPOINT_KINDS = ("s3", "file", "path")               # train --checkpoint-uri, --resume-from
+BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,61}[a-z0-9]$")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_SECRET_QUERY = re.compile(r"sig|token|key|credential|secret|password|auth", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Uri:
+    kind: str
+    text: str
+    bucket: str = ""
+    key: str = ""
+    path: Path | None = None
+    query: str = ""
+
+    @property
+    def local(self) -> bool:
+        return self.kind in ("file", "path")
+
+    @property
+    def name(self) -> str:
+        """Base name of the object or file the URI points at ('' for synthetic)."""
+        if self.path is not None:
+            return self.path.name
+        if self.kind == "synthetic":
+            return ""
+        return PurePosixPath(unquote(urlsplit(self.text).path)).name
+
+
+def redact(text: str) -> str:
+    """``text`` safe to print: no user:password, secret-looking query values hidden."""
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https"):
+        return text
+    netloc = parts.netloc.rsplit("@", 1)[-1]
+    query = "&".join(f"{k}=***" if _SECRET_QUERY.search(k) else f"{k}={v}"
+                     for k, v in parse_qsl(parts.query, keep_blank_values=True))
+    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+
+
+def stable(text: str) -> str:
+    """The URI without query and fragment: what names the same object across runs."""
+    return urlunsplit(urlsplit(text)._replace(query="", fragment=""))
+
+
+def parse(text: str, flag: str, kinds: tuple[str, ...]) -> Uri:
+    """Parse ``text`` given to ``flag``, accepting only ``kinds`` (a subset of KINDS)."""
+    if not isinstance(text, str):
+        raise StepError(f"{flag}: {text!r} is not a URI")
+    text = text.strip()
+    shown = redact(text)
+    if _CONTROL.search(text):
+        raise StepError(f"{flag} {shown!r}: control characters are not allowed in a URI")
+    match = _SCHEME.match(text)
+    scheme = match.group(1).lower() if match and "://" in text else ""
+    kind = "http" if scheme == "https" else (scheme or "path")
+    if kind not in kinds:
+        accepted = ", ".join("a local path" if k == "path" else
+                             ("https://, http://" if k == "http" else f"{k}://") for k in kinds)
+        what = f"unsupported scheme '{scheme}'" if scheme else "a plain path is not accepted"
+        raise StepError(f"{flag} '{shown}': {what} (use {accepted})")
+    if kind == "path":
+        if not text:
+            raise StepError(f"{flag}: empty path")
+        return Uri("path", text, path=Path(text))
+    parts = urlsplit(text)
+    if kind == "s3":
+        return _s3(text, flag, parts)
+    if kind == "http":
+        if not parts.netloc or not parts.path.strip("/"):
+            raise StepError(f"{flag} '{shown}': an http(s) URI needs a host and a file path")
+        return Uri("http", text)
+    if kind == "file":
+        raw = parts.path if parts.netloc in ("", "localhost") else parts.netloc + parts.path
+        if not raw:
+            raise StepError(f"{flag} '{text}': a file URI needs a path (file:///data/x.tar)")
+        return Uri("file", text, path=Path(unquote(raw)))
+    if parts.netloc or parts.path.strip("/"):
+        raise StepError(f"{flag} '{text}': write synthetic://?cases=N&shape=HxWxD&seed=S")
+    return Uri("synthetic", text, query=parts.query)
+
+
+def _s3(text: str, flag: str, parts) -> Uri:
+    bucket, _, key = text[len("s3://"):].partition("/")
+    if not BUCKET.match(bucket):
+        raise StepError(f"{flag} '{text}': bucket name '{bucket}' is not valid "
+                        "(3-63 lower-case letters, digits, '.', '-')")
+    if any(part in (".", "..") for part in key.split("/")):
+        raise StepError(f"{flag} '{text}': a key may not hold '.' or '..' segments")
+    return Uri("s3", text, bucket=bucket, key=key)
