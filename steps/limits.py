@@ -37,7 +37,7 @@ LIMITS = {limit.name: limit for limit in (
           "one file of a tar or source directory"),
     Limit("max_members", 20_000, "members",
           "entries of a tar archive (files and directories)"),
-    Limit("max_volume_bytes", 2 * GiB, "bytes",
+    Limit("max_volume_bytes", 1 * GiB, "bytes",
           "one NIfTI volume, header and voxels, as its header declares it decompressed"),
     Limit("max_cases", 5_000, "cases",
           "cases of a dataset.json or a synthetic:// source"),

@@ -21,6 +21,7 @@ import sys
 import tarfile
 import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -441,8 +442,24 @@ def test_nifti_gzip_bombs_are_refused(tmp_path):
         _preprocess_case("header declares 4000^3 voxels", tmp_path / "huge",
                          _raw_with(tmp_path / "huge", image=huge), needles=(VICTIM,),
                          timeout=60, max_seconds=30),
+        _preprocess_case("1.6 MB that inflates to 1.5 GiB", tmp_path / "bomb",
+                         _raw_with(tmp_path / "bomb", image=_inflating_bomb(good),
+                                   compress=False),
+                         needles=(VICTIM, "max_volume_bytes"), timeout=60, max_seconds=30),
     ]
     run_cases(cases)
+
+
+def _inflating_bomb(good: bytes) -> bytes:
+    """The issue's example: a .nii.gz of about 1.6 MB whose header honestly declares
+    1024x1024x96x4 float32 voxels (1.5 GiB), all zeros."""
+    header = _edit_header(good, dim=[4, 1024, 1024, 96, 4, 1, 1, 1])[:352]
+    pack = zlib.compressobj(9, zlib.DEFLATED, 31)
+    parts, zeros = [pack.compress(header)], bytes(64 << 20)
+    for _ in range(24):
+        parts.append(pack.compress(zeros))
+    parts.append(pack.flush())
+    return b"".join(parts)
 
 
 def test_nifti_headers_with_bad_fields_are_refused(tmp_path):
