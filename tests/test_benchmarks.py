@@ -71,3 +71,17 @@ def test_unknown_benchmark_is_refused():
 def test_row_verdict(ours, baseline, target, expected):
     row = Row("b", "m", "u", ours, baseline, "base", target)
     assert row.ratio == pytest.approx(ours / baseline) and row.verdict == expected
+
+
+@pytest.mark.slow
+def test_compat_check_passes_with_this_interpreter(tmp_path):
+    """benchmarks.compat (what a Gaudi image build runs): train, export and convert with this
+    torch on its own synthetic dataset, every stage checked by the steps themselves."""
+    out = tmp_path / "compat.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.compat", "--workdir",
+                           str(tmp_path / "work"), "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["train"]["ok"] and run["convert"]["ok"]
+    assert run["convert"]["parity"]["passed"] is True
