@@ -12,12 +12,12 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks import (common, growth, handoff, loader, onnxrt, orchestration, preprocess,
-                        trainstep)
+from benchmarks import (allocator, common, growth, handoff, loader, onnxrt, orchestration,
+                        precision, preprocess, trainstep)
 
 BENCHMARKS = {"preprocess": preprocess, "loader": loader, "train": trainstep,
               "handoff": handoff, "onnx": onnxrt, "orchestration": orchestration,
-              "growth": growth}
+              "growth": growth, "allocator": allocator, "precision": precision}
 RESULTS = Path(__file__).parent / "results"
 
 

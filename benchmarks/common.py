@@ -38,6 +38,8 @@ class Settings:
     gpu_batch: int = 64               # the anchors' and NVIDIA's figure's batch on a GPU
     gpu_train_steps: int = 30
     train_steps: int = 3
+    train_rounds: int = 3             # alternating baseline/ours train rounds (medians)
+    ab_rounds: int = 4                # allocator: with/without the step env, alternating
     onnx_runs: int = 4
     base_filters: int = 32            # the anchors' network: 32..512 over 6 levels
     levels: int = 6
@@ -48,7 +50,8 @@ class Settings:
             return cls(smoke=False, workdir=workdir)
         return cls(smoke=True, workdir=workdir, shape=SMOKE_SHAPE, patch=(32, 32), cases=2,
                    growth=(1, 2), loader_batches=2, loader_rounds=1, batch=4, gpu_batch=4,
-                   train_steps=1, gpu_train_steps=1, onnx_runs=1, base_filters=8, levels=4)
+                   train_steps=1, train_rounds=1, ab_rounds=1, gpu_train_steps=1, onnx_runs=1,
+                   base_filters=8, levels=4)
 
 
 @dataclass

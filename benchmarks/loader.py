@@ -191,15 +191,12 @@ def run(settings: Settings) -> dict:
     baseline, ours = (float(np.median(rounds[k])) for k in ("baseline", "ours"))
     args = (patch, batch, batches)
     plain_tensors, _ = in_child(run_monai, anchor_ds, *args, False, threads=1)
-    ours_plain, _ = in_child(run_ours, ours_ds, *args, threads=1)
     sampling_only, _ = in_child(run_ours, ours_ds, *args, True, threads=1, env=env)
     device_rows, device_details = _device_rows(settings, ours_ds, baseline)
     return {"rows": [Row("loader", "slices/s per core (sample + full augmentation)", "slice/s",
                          ours, baseline, "MONAI transform pipeline", ">= 10"),
                      Row("loader", "the same, MONAI without MetaTensor tracking", "slice/s",
                          ours, plain_tensors, "MONAI pipeline, set_track_meta(False)"),
-                     Row("loader", "ours without the pipeline's env", "slice/s",
-                         ours_plain, baseline, "MONAI transform pipeline"),
                      Row("loader", "CPU side of GPU/HPU training (augmentation on the device)",
                          "slice/s", sampling_only, baseline, "MONAI transform pipeline"),
                      *device_rows],

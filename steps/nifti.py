@@ -19,7 +19,6 @@ import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import nibabel as nib
 import numpy as np
@@ -37,6 +36,8 @@ except ImportError:  # pragma: no cover - depends on the environment
 _GZIP_MAGIC = b"\x1f\x8b"
 _HEADER_SIZES = {348: nib.Nifti1Header, 540: nib.Nifti2Header}
 _CHUNK = 8 << 20
+_INPUT = 1 << 20
+_NIFTI2 = (int(540).to_bytes(4, "little"), int(540).to_bytes(4, "big"))
 
 
 @dataclass
@@ -60,102 +61,86 @@ class Volume:
         return (self.data.astype(np.float64) * self.slope + self.inter).astype(np.float32)
 
 
-def _open(path: Path) -> BinaryIO:
-    """Open a regular file for reading; a FIFO, device or directory is refused unopened."""
+def _read(path: Path) -> bytes:
+    """The file's bytes. A FIFO, device or directory is refused unopened, and a file larger
+    than any volume within ``max_volume_bytes`` could be (gzip adds at most 0.1 %) unread."""
     try:
         info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise StepError(f"{path}: not a regular file")
+        allowed = limits.get("max_volume_bytes")
+        limits.check("max_volume_bytes", info.st_size - allowed // 100 - (1 << 20),
+                     f"{path}: file of {info.st_size} bytes")
+        with open(path, "rb") as handle:
+            return handle.read()
     except OSError as exc:
         raise StepError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise StepError(f"{path}: not a regular file")
-    try:
-        return open(path, "rb")
-    except OSError as exc:
-        raise StepError(f"{path}: cannot read ({exc.strerror or exc})") from None
 
 
-class _Reader:
-    """The file's bytes, inflated on the fly when it is gzip (one or several members), read
-    only as far as asked: a small header can never make us inflate a large bomb."""
+def _inflate(raw: bytes, need: int) -> tuple[memoryview, bool]:
+    """(up to ``need`` bytes inflated from the gzip file ``raw``, whether more follow them).
 
-    def __init__(self, handle: BinaryIO):
-        self._handle = handle
-        self.gzip = handle.read(2) == _GZIP_MAGIC
-        handle.seek(0)
-        self._inflate = _zlib.decompressobj(31) if self.gzip else None
-        self._pending = b""
-
-    def read_into(self, view: memoryview) -> int:
-        """Fill ``view`` as far as the data goes; return the bytes written."""
-        done = 0
-        while done < len(view):
-            if not self.gzip:
-                count = self._handle.readinto(view[done:])
-                if not count:
-                    break
-                done += count
-                continue
-            chunk = self._inflated(len(view) - done)
-            if not chunk:
-                break
-            view[done:done + len(chunk)] = chunk
-            done += len(chunk)
-        return done
-
-    def check_stream(self) -> None:
-        """Inflate the rest of a gzip file into a small scratch buffer, up to the volume
-        limit: a corrupt stream raises its zlib error here."""
-        if not self.gzip:
-            return
-        scratch = memoryview(bytearray(_CHUNK))
-        budget = limits.get("max_volume_bytes")
-        while budget > 0 and (count := self.read_into(scratch)):
-            budget -= count
-
-    def _inflated(self, most: int) -> bytes:
-        while True:
-            inflate = self._inflate
-            if inflate.eof:
-                rest = inflate.unused_data + self._handle.read(_CHUNK)
-                if not rest.strip(b"\0"):   # end of file (gzip allows zero padding)
-                    return b""
-                self._inflate, self._pending = _zlib.decompressobj(31), rest  # next member
-                continue
-            data = inflate.unconsumed_tail or self._pending or self._handle.read(_CHUNK)
-            self._pending = b""
-            if not data:
-                raise EOFError("compressed stream ended early")
-            out = inflate.decompress(data, min(most, _CHUNK))
-            if out:
-                return out
+    Compressed input goes in 1 MiB at a time (zlib copies whatever it has not consumed) and
+    output comes out in 8 MiB pieces into one buffer of ``need`` bytes, member after member.
+    A stream that ends early gives fewer bytes; past ``need`` at most one byte is inflated,
+    so a bomb behind a small header costs nothing.
+    """
+    view, pos = memoryview(raw), 0
+    out, total = memoryview(bytearray(need)), 0
+    inflate, data = _zlib.decompressobj(31), b""
+    while True:
+        if inflate.eof:
+            rest = inflate.unused_data + view[pos:]     # at the end of a member only
+            if not rest.strip(b"\0"):                   # gzip allows zero padding at the end
+                return out[:total], False
+            inflate, data, view, pos = _zlib.decompressobj(31), b"", memoryview(rest), 0
+            continue
+        if not data:
+            if pos >= len(view):
+                if total < need:
+                    return out[:total], False
+                raise EOFError("the gzip stream ends without its trailer")
+            data, pos = view[pos:pos + _INPUT], pos + _INPUT
+        if total < need:
+            part = inflate.decompress(data, min(need - total, _CHUNK))
+            out[total:total + len(part)] = part
+            total += len(part)
+        elif inflate.decompress(data, 1):
+            return out, True
+        data = inflate.unconsumed_tail
 
 
-def _header(path: Path, reader: _Reader) -> tuple[nib.Nifti1Header, bytearray]:
-    """The parsed header and its raw bytes (348 for NIfTI-1, 540 for NIfTI-2)."""
-    head = bytearray(540)
-    size = reader.read_into(memoryview(head)[:348])
-    if size < 348:
-        raise StepError(f"{path}: truncated NIfTI header ({size} bytes)")
+def _check_stream(raw: bytes) -> None:
+    """Inflate a gzip file in 8 MiB pieces that are thrown away, up to the volume limit: a
+    corrupt stream raises its zlib error here."""
+    inflate, budget, data = _zlib.decompressobj(31), limits.get("max_volume_bytes"), raw
+    while budget > 0 and data and not inflate.eof:
+        budget -= len(inflate.decompress(data, _CHUNK))
+        data = inflate.unconsumed_tail
+
+
+def _header(path: Path, head: bytes) -> nib.Nifti1Header:
+    """The parsed header from the first bytes of the file (348 for NIfTI-1, 540 for -2)."""
+    if len(head) < 348:
+        raise StepError(f"{path}: truncated NIfTI header ({len(head)} bytes)")
     for order in ("little", "big"):
         klass = _HEADER_SIZES.get(int.from_bytes(head[:4], order))
         if klass is not None:
             break
     else:
         raise StepError(f"{path}: not a NIfTI-1/2 file (bad sizeof_hdr)")
-    if klass is nib.Nifti2Header:
-        size += reader.read_into(memoryview(head)[348:])
-        if size < 540:
-            raise StepError(f"{path}: truncated NIfTI-2 header ({size} bytes)")
-    head = head[:size]
+    size = 540 if klass is nib.Nifti2Header else 348
+    if len(head) < size:
+        raise StepError(f"{path}: truncated NIfTI-2 header ({len(head)} bytes)")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            header = klass.from_fileobj(io.BytesIO(bytes(head)), check=True)
+            header = klass.from_fileobj(io.BytesIO(head[:size]), check=True)
     except Exception as exc:  # nibabel raises HeaderDataError, ValueError, struct errors
         raise StepError(f"{path}: invalid NIfTI header ({exc})") from None
     if header["magic"].item() not in (b"n+1", b"n+2"):
         raise StepError(f"{path}: not a single-file NIfTI (magic {header['magic'].item()!r})")
-    return header, head
+    return header
 
 
 def _layout(path: Path, header, header_size: int) -> tuple[tuple[int, ...], np.dtype, int]:
@@ -211,31 +196,32 @@ def load(path: Path | str) -> Volume:
     """Read ``path`` strictly; ``data`` is a read-only array over exactly the declared bytes.
 
     The header is checked (dimensions, datatype, offset, voxel sizes, affine, scaling) and the
-    declared size held to ``max_volume_bytes`` before the voxels are read; a file with fewer
-    bytes than declared, or with bytes after the voxel data, is refused. A big-endian volume
-    is converted to native byte order.
+    declared size held to ``max_volume_bytes`` before the voxels are inflated; a file with
+    fewer bytes than declared, or with bytes after the voxel data, is refused. A big-endian
+    volume is converted to native byte order.
     """
     path = Path(path)
-    with _open(path) as handle:
+    raw = _read(path)
+    gz = raw[:2] == _GZIP_MAGIC
+    try:
+        head = bytes(_inflate(raw, 540)[0]) if gz else raw[:540]
         try:
-            reader = _Reader(handle)
-            try:
-                header, head = _header(path, reader)
-                shape, dtype, offset = _layout(path, header, len(head))
-            except StepError:
-                reader.check_stream()   # a corrupt gzip is the better explanation
-                raise
-            buf = bytearray(offset + math.prod(shape) * dtype.itemsize)
-            buf[:len(head)] = head
-            size = len(head) + reader.read_into(memoryview(buf)[len(head):])
-            if size < len(buf):
-                raise StepError(f"{path}: truncated voxel data ({size} of {len(buf)} bytes)")
-            if reader.read_into(memoryview(bytearray(1))):
-                raise StepError(f"{path}: bytes left over after the {len(buf)} bytes of "
-                                "header and voxel data the header declares")
-        except (EOFError, OSError, ValueError, zlib.error) as exc:
-            raise StepError(f"{path}: truncated or corrupt {'gzip' if reader.gzip else 'file'}"
-                            f" ({exc})") from None
+            header = _header(path, head)
+            shape, dtype, offset = _layout(path, header, 540 if head[:4] in _NIFTI2 else 348)
+        except StepError:
+            if gz:
+                _check_stream(raw)   # a corrupt gzip is the better explanation
+            raise
+        need = offset + math.prod(shape) * dtype.itemsize
+        buf, more = _inflate(raw, need) if gz else (memoryview(raw)[:need], len(raw) > need)
+        if len(buf) < need:
+            raise StepError(f"{path}: truncated voxel data ({len(buf)} of {need} bytes)")
+        if more:
+            raise StepError(f"{path}: bytes left over after the {need} bytes of header and "
+                            "voxel data the header declares")
+    except (EOFError, ValueError, zlib.error) as exc:
+        raise StepError(f"{path}: truncated or corrupt {'gzip' if gz else 'file'} "
+                        f"({exc})") from None
     zooms, affine, slope, inter = _geometry(path, header, len(shape))
     data = np.ndarray(shape, dtype=dtype, buffer=buf, offset=offset, order="F")
     if not dtype.isnative:
