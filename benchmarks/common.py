@@ -189,6 +189,25 @@ def raw_task(settings: Settings, cases: int) -> Path:
     return root
 
 
+def step_dataset(root: Path, source: str, patch: str) -> Path:
+    """``root/dataset`` made by the real download and preprocess steps from ``source``, in
+    subprocesses (reused when its manifest is there). A failing step raises RuntimeError
+    with the step's last line."""
+    dataset = root / "dataset"
+    if (dataset / "MANIFEST.json").is_file():
+        return dataset
+    shutil.rmtree(root, ignore_errors=True)
+    for args in (["steps.download", "--source", source, "--raw", str(root / "raw"),
+                  "--no-progress"],
+                 ["steps.preprocess", "--raw", str(root / "raw"), "--dataset", str(dataset),
+                  "--patch-size", patch]):
+        done = subprocess.run([sys.executable, "-m", *args], cwd=Path(__file__).parent.parent,
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{args[0]}: {(done.stderr.strip().splitlines() or [''])[-1]}")
+    return dataset
+
+
 def case_files(raw: Path) -> list[tuple[str, Path, Path]]:
     task = raw / synthetic.TASK
     return [(p.name[:-len(".nii.gz")], p, task / "labelsTr" / p.name)

@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import step_dataset
+
 REPO = Path(__file__).resolve().parent.parent
 SOURCE = "synthetic://?cases=6&shape=64x64x24&seed=5"
 
@@ -50,18 +52,6 @@ def torch_version(python: str) -> str:
     out = subprocess.run([python, "-c", "import torch; print(torch.__version__)"],
                          capture_output=True, text=True)
     return out.stdout.strip() or f"not importable: {out.stderr.strip().splitlines()[-1:]}"
-
-
-def make_dataset(work: Path) -> Path:
-    """One small synthetic dataset for every interpreter (its bytes do not depend on torch)."""
-    for args in (["steps.download", "--source", SOURCE, "--raw", str(work / "raw"),
-                  "--no-progress"],
-                 ["steps.preprocess", "--raw", str(work / "raw"), "--dataset",
-                  str(work / "dataset"), "--patch-size", "64x64"]):
-        ok, last = _run(sys.executable, args, work / f"{args[0]}.log")
-        if not ok:
-            raise SystemExit(f"compat: could not build the dataset: {last}")
-    return work / "dataset"
 
 
 def check_one(python: str, tag: str, dataset: Path, work: Path) -> dict:
@@ -106,7 +96,10 @@ def main(argv=None) -> int:
     pythons = args.python or [sys.executable]
     work = args.workdir or Path(tempfile.mkdtemp(prefix="unet-compat-"))
     work.mkdir(parents=True, exist_ok=True)
-    dataset = make_dataset(work)
+    try:   # one dataset for every interpreter: its bytes do not depend on torch
+        dataset = step_dataset(work / "data", SOURCE, "64x64")
+    except RuntimeError as exc:
+        raise SystemExit(f"compat: could not build the dataset: {exc}") from None
     tags = [f"torch{torch_version(p).split('+')[0]}-{i}" for i, p in enumerate(pythons)]
     runs = [check_one(p, t, dataset, work) for p, t in zip(pythons, tags)]
     trained = [t for t, r in zip(tags, runs) if r["train"]["ok"]]

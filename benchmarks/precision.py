@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import Row, Settings, step_env
+from benchmarks.common import Row, Settings, step_dataset, step_env
 from workflows.local.s3target import environ
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,19 +39,11 @@ def _dataset(settings: Settings) -> Path:
     from workflows.config import load_config
 
     cfg = load_config(None, None, [], local=True)
-    root = settings.workdir / "precision"
-    if not (root / "dataset" / "MANIFEST.json").is_file():
-        shutil.rmtree(root, ignore_errors=True)
-        source = cfg.download.source if not settings.smoke else \
-            "synthetic://?cases=5&shape=32x32x16&seed=0"
-        for args in (["steps.download", "--source", source, "--raw", str(root / "raw"),
-                      "--no-progress"],
-                     ["steps.preprocess", "--raw", str(root / "raw"), "--dataset",
-                      str(root / "dataset"), "--patch-size",
-                      "32x32" if settings.smoke else cfg.preprocess.patch_size]):
-            subprocess.run([sys.executable, "-m", *args], cwd=REPO, check=True,
-                           capture_output=True)
-    return root / "dataset"
+    if settings.smoke:
+        return step_dataset(settings.workdir / "precision", "synthetic://?cases=5&shape="
+                            "32x32x16&seed=0", "32x32")
+    return step_dataset(settings.workdir / "precision", cfg.download.source,
+                        cfg.preprocess.patch_size)
 
 
 def train_once(settings: Settings, dataset: Path, precision: str, tag: str) -> dict:

@@ -64,13 +64,22 @@ def write_manifest(root: Path, artifact: str, step: str, parameters: dict[str, A
     return target
 
 
+def clean_relative(rel: Any) -> PurePosixPath | None:
+    """``rel`` as a relative POSIX path that cannot leave its root by name (no absolute path,
+    ``..``, backslash or control character), or None: the one rule for paths listed in an
+    artifact's or a task's metadata."""
+    if not isinstance(rel, str) or not rel or "\\" in rel or any(ord(c) < 32 for c in rel):
+        return None
+    pure = PurePosixPath(rel)
+    return None if pure.is_absolute() or ".." in pure.parts or not pure.parts else pure
+
+
 def inside(root: Path | str, rel: Any, where: str) -> Path:
     """``root/rel`` for a path read from an artifact's own metadata (``MANIFEST.json``,
-    ``dataset.json``): a relative POSIX path that stays inside ``root``, links included."""
+    ``dataset.json``): a clean relative path that stays inside ``root``, links included."""
     root = Path(root)
-    pure = PurePosixPath(rel) if isinstance(rel, str) else None
-    if (pure is None or not rel or "\\" in rel or pure.is_absolute() or ".." in pure.parts
-            or any(ord(c) < 32 for c in rel)):
+    pure = clean_relative(rel)
+    if pure is None:
         raise StepError(f"{where}: {rel!r} is not a relative path inside {root}")
     path = root.joinpath(*pure.parts)
     if not path.resolve().is_relative_to(root.resolve()):

@@ -50,7 +50,7 @@ from urllib.request import Request, urlopen
 from tqdm import tqdm
 
 from steps import __version__, limits, uris
-from steps.artifacts import publish
+from steps.artifacts import clean_relative, publish, sha256_file
 from steps.errors import OneLineArgumentParser, StepError, run_main
 from steps.synthetic import MIN_SHAPE, TASK, write_msd_task
 from steps.uris import redact
@@ -169,18 +169,10 @@ def cache_name(source: Source) -> str:
     return f"{digest.hexdigest()[:12]}-{source.file_name or 'download'}"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(8 * _CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def trust_cached(dest: Path) -> None:
     """Mark a cached download good (its size and sha256), after a run that used it worked."""
     marker = dest.with_name(dest.name + _VERIFIED)
-    marker.write_text(json.dumps({"size": dest.stat().st_size, "sha256": _sha256(dest)}))
+    marker.write_text(json.dumps({"size": dest.stat().st_size, "sha256": sha256_file(dest)}))
 
 
 def forget_cached(dest: Path) -> None:
@@ -193,31 +185,31 @@ def _trusted(dest: Path) -> bool:
     """A cached file is reused only with a mark whose size and sha256 it still has."""
     try:
         mark = json.loads(dest.with_name(dest.name + _VERIFIED).read_text())
-        return (dest.stat().st_size == mark["size"] and _sha256(dest) == mark["sha256"])
+        return (dest.stat().st_size == mark["size"] and sha256_file(dest) == mark["sha256"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
 
-def fetch(source: Source, cache_dir: Path, progress: bool = True) -> tuple[Path, bool]:
-    """Make the archive local; return (path, is_cached_copy).
+def fetch(source: Source, cache_dir: Path, progress: bool = True) -> Path:
+    """Make the archive local; return its path (the source itself for a file).
 
     A cached file is reused only when an earlier run that used it succeeded and it still
     has that run's sha256; an unfinished ``.part`` is resumed.
     """
     if source.kind == "file":
         assert source.path is not None
-        return source.path, False
+        return source.path
     cache_dir.mkdir(parents=True, exist_ok=True)
     dest = cache_dir / cache_name(source)
     if dest.is_file() and _trusted(dest):
         print(f"download: using cached {dest}", file=sys.stderr)
-        return dest, True
+        return dest
     forget_cached(dest)
     if source.kind == "http":
         http_download(source.uri, dest, progress=progress)
     else:
         s3_download(source.uri, dest, progress=progress)
-    return dest, True
+    return dest
 
 
 def s3_download(uri: str, dest: Path, progress: bool = True) -> Path:
@@ -588,8 +580,7 @@ def listed_paths(meta: dict[str, Any], where: str) -> list[str]:
             raise StepError(f"{where}: test[{index}] is not an image path")
         paths.append(image)
     for listed in paths:
-        rel = PurePosixPath(listed)
-        if rel.is_absolute() or ".." in rel.parts or not rel.parts or "\\" in listed:
+        if clean_relative(listed) is None:
             raise StepError(f"{where} lists '{listed}', which is not a path inside {TASK}")
     return list(dict.fromkeys(PurePosixPath(p).as_posix() for p in paths))
 
@@ -627,7 +618,7 @@ def build_raw(source: Source, staging: Path, cache_dir: Path, md5: str | None,
         if not source.path.is_file():
             raise StepError(f"--source '{source.uri}': {source.path} is not a regular file "
                             "or directory")
-    archive, cached = fetch(source, cache_dir, progress)
+    archive = fetch(source, cache_dir, progress)
     if md5:
         check_md5(archive, md5, progress)
     scratch = staging / ".extract"
@@ -683,17 +674,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     with publish(raw, ARTIFACT, STEP, params) as staging:
         cache_dir = Path(args.cache_dir) if args.cache_dir else staging / ".download"
+        kept = cache_dir / cache_name(source) if args.cache_dir and source.kind in (
+            "http", "s3") else None
         try:
             task = build_raw(source, staging, cache_dir, md5, progress)
             n_train, n_test = validate_task(task)
         except BaseException:
-            if args.cache_dir and source.kind in ("http", "s3"):
-                forget_cached(cache_dir / cache_name(source))  # never trusted by a later run
+            if kept:
+                forget_cached(kept)  # never trusted by a later run
             raise
-        if not args.cache_dir:
+        if kept:
+            trust_cached(kept)
+        elif not args.cache_dir:
             shutil.rmtree(cache_dir, ignore_errors=True)
-        elif source.kind in ("http", "s3"):
-            trust_cached(cache_dir / cache_name(source))
     size = sum(p.stat().st_size for p in raw.rglob("*") if p.is_file())
     print(f"download: {n_train} training + {n_test} test cases of {TASK} from "
           f"{redact(source.uri)} -> {raw} ({size / 2**20:.1f} MiB, "

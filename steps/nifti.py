@@ -69,8 +69,8 @@ def _read(path: Path) -> bytes:
         if not stat.S_ISREG(info.st_mode):
             raise StepError(f"{path}: not a regular file")
         allowed = limits.get("max_volume_bytes")
-        limits.check("max_volume_bytes", info.st_size - allowed // 100 - (1 << 20),
-                     f"{path}: file of {info.st_size} bytes")
+        if info.st_size > allowed + allowed // 100 + (1 << 20):
+            limits.check("max_volume_bytes", info.st_size, f"{path}: file size")
         with open(path, "rb") as handle:
             return handle.read()
     except OSError as exc:

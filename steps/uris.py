@@ -43,10 +43,6 @@ class Uri:
     query: str = ""
 
     @property
-    def local(self) -> bool:
-        return self.kind in ("file", "path")
-
-    @property
     def name(self) -> str:
         """Base name of the object or file the URI points at ('' for synthetic)."""
         if self.path is not None:
