@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from benchmarks.common import Row, Settings
 
 if TYPE_CHECKING:
-    from workflows.local import RunResult
+    from workflows.local.results import RunResult
 
 SMOKE_OVERRIDES = ["download.source=synthetic://?cases=5&shape=32x32x12&seed=0",
                    "preprocess.patch_size=32x32", "preprocess.workers=1",
@@ -24,7 +24,7 @@ SMOKE_OVERRIDES = ["download.source=synthetic://?cases=5&shape=32x32x12&seed=0",
 
 
 def _local_run(config, run_dir, env) -> "RunResult":
-    from workflows.local import run_workflow
+    from workflows.local.runner import run_workflow
     from workflows.unet import build
 
     shutil.rmtree(run_dir, ignore_errors=True)

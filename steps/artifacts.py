@@ -20,6 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Iterator
 
 from steps import __version__
+from steps.params import OUTPUTS, OUTPUTS_DIR
 from steps.errors import StepError
 
 MANIFEST = "MANIFEST.json"
@@ -62,6 +63,17 @@ def write_manifest(root: Path, artifact: str, step: str, parameters: dict[str, A
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, target)
     return target
+
+
+def write_outputs(out: Path, step: str, values: dict[str, str]) -> None:
+    """The step's small results as ``argo-outputs/<name>`` (Argo's output parameters);
+    the names must be exactly the step's ``params.OUTPUTS``."""
+    if sorted(values) != sorted(OUTPUTS[step]):
+        raise ValueError(f"{step} outputs {sorted(values)} are not {sorted(OUTPUTS[step])}")
+    folder = out / OUTPUTS_DIR
+    folder.mkdir()
+    for name, text in values.items():
+        (folder / name).write_text(f"{text}\n")
 
 
 def clean_relative(rel: Any) -> PurePosixPath | None:

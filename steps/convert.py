@@ -39,10 +39,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from steps.artifacts import manifest_digest, publish, require
+from steps.artifacts import manifest_digest, publish, require, write_outputs
 from steps.dataset import fold_names, open_cases, read_metadata
 from steps.errors import OneLineArgumentParser, StepError, run_main
-from steps import predict
+from steps import params, predict
 
 STEP = "convert"
 CHECKPOINT = "best.pt"
@@ -53,8 +53,7 @@ CARD_FILE = "model-card.json"
 INPUT_NAME = "image"
 OUTPUT_NAME = "logits"
 CARD_FORMAT_VERSION = 1
-MIN_OPSET = 17
-MIN_PARITY_SLICES = 32
+MIN_OPSET = params.by_name(params.CONVERT)["opset"].ge
 MAX_SIDE = 4096          # largest H or W the exported programs accept
 PARITY_BATCH = 16        # slices per forward pass in the parity runs
 BOUNDS = {
@@ -80,22 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "parity inputs and its dataset.json the normalisation contract")
     p.add_argument("--exported", required=True, type=Path, metavar="DIR",
                    help="output `exported` artifact directory (absent or empty)")
-    p.add_argument("--opset", type=int, default=MIN_OPSET,
-                   help=f"ONNX opset version, at least {MIN_OPSET} (default {MIN_OPSET})")
-    p.add_argument("--parity-slices", type=int, default=MIN_PARITY_SLICES,
-                   help="validation slices compared between torch, onnxruntime and the .pt2 "
-                        f"(at least and default {MIN_PARITY_SLICES})")
+    params.add_arguments(p, params.CONVERT)
     return p
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
-    if args.opset < MIN_OPSET:
-        raise StepError(f"--opset {args.opset}: must be at least {MIN_OPSET}")
-    if args.parity_slices < MIN_PARITY_SLICES:
-        raise StepError(f"--parity-slices {args.parity_slices}: must be at least "
-                        f"{MIN_PARITY_SLICES}")
-    return args
+    return build_parser().parse_args(argv)
 
 
 # ------------------------------------------------------------------------ the checkpoint
@@ -601,10 +590,8 @@ def write_results(out: Path, inputs: Inputs, parity: dict[str, Any], versions: d
     _write_json(out / PARITY_FILE, parity)
     _write_json(out / CARD_FILE, model_card(inputs.ckpt, inputs.config, inputs.meta, contract,
                                             parity, inputs.provenance, versions))
-    argo = out / "argo-outputs"
-    argo.mkdir()
-    (argo / "max_abs_diff").write_text(f"{parity['onnx']['max_abs_diff']:.3g}\n")
-    (argo / "argmax_agreement").write_text(f"{parity['onnx']['argmax_agreement']:.6f}\n")
+    write_outputs(out, STEP, {"max_abs_diff": f"{parity['onnx']['max_abs_diff']:.3g}",
+                              "argmax_agreement": f"{parity['onnx']['argmax_agreement']:.6f}"})
 
 
 def convert(args: argparse.Namespace) -> int:

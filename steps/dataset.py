@@ -44,10 +44,10 @@ import numpy as np
 
 from steps.artifacts import inside, require
 from steps.errors import StepError
+from steps.params import N_FOLDS
 
 DATASET_JSON = "dataset.json"
 FORMAT_VERSION = 1
-N_FOLDS = 5
 SPLIT_SEED = 12345
 
 
@@ -56,11 +56,14 @@ def kfold_split(names: list[str], n_splits: int = N_FOLDS,
     """The anchors' split: ``KFold(n_splits, shuffle=True, random_state=seed)`` over sorted names.
 
     Reimplemented with NumPy's legacy RandomState so it gives exactly scikit-learn's folds.
+    With fewer cases than ``n_splits`` there is one fold per case (leave one out); a single
+    case makes one fold with nothing to train on, which train refuses for its ``--fold``.
     """
     ordered = sorted(names)
     n = len(ordered)
-    if n < n_splits:
-        raise StepError(f"need at least {n_splits} cases for a {n_splits}-fold split, got {n}")
+    if n == 0:
+        return []
+    n_splits = min(n_splits, n)
     order = np.arange(n)
     np.random.RandomState(seed).shuffle(order)
     sizes = np.full(n_splits, n // n_splits, dtype=int)
@@ -104,7 +107,7 @@ def read_metadata(dataset_dir: Path | str, check_hashes: bool = True) -> dict[st
 
 def _check_structure(meta: dict[str, Any], where: str) -> None:
     """The keys that train and convert index, with their types; folds never validate on
-    training cases, so a dataset needs at least two cases."""
+    their own training cases (whether a fold can train is train's check)."""
     def need(ok: bool, what: str) -> None:
         if not ok:
             raise StepError(f"{where}: {what}")
@@ -118,8 +121,7 @@ def _check_structure(meta: dict[str, Any], where: str) -> None:
     need(isinstance(patch, list) and len(patch) == 2
          and all(isinstance(n, int) and 1 <= n <= 4096 for n in patch),
          "'patch_size' must be [H, W], each 1..4096")
-    need(isinstance(cases, list) and len(cases) >= 2, "'cases' must list at least two cases "
-         "(validation must never see training data)")
+    need(isinstance(cases, list) and len(cases) >= 1, "'cases' must list at least one case")
     for case in cases:
         need(isinstance(case, dict) and all(isinstance(case.get(k), str)
                                             for k in ("name", "image", "label"))

@@ -27,11 +27,8 @@ from typing import Any, Iterable
 import torch
 
 from steps.errors import StepError
+from steps.params import DEVICE_KINDS, HPU_MODES, OPTIMIZERS, PRECISIONS
 
-DEVICE_KINDS = ("auto", "hpu", "cuda", "cpu")
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-HPU_MODES = ("compile", "lazy", "eager")
-OPTIMIZERS = ("adamw", "fusedadamw", "sgd")
 BACKENDS = {"hpu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 JEMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
                   "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2")

@@ -61,14 +61,11 @@ import numpy as np
 from nibabel.orientations import apply_orientation, io_orientation, ornt2axcodes
 from tqdm import tqdm
 
-from steps import limits, nifti
+from steps import limits, nifti, params
 from steps.artifacts import inside, publish, require
 from steps.dataset import DATASET_JSON, FORMAT_VERSION, kfold_split, torch_view
 from steps.errors import OneLineArgumentParser, StepError, run_main
 
-MODES = ("default", "anchor")
-IMAGE_DTYPES = ("float16", "float32")
-DEFAULT_PATCH = "192x160"
 CASES_DIR = "cases"
 # Image and label affines are float32 in the header; 1e-3 mm is far below any voxel size
 # and far above float32 rounding of a 100 mm offset (~1e-5).
@@ -447,45 +444,30 @@ def dataset_json(task: dict[str, Any], cases: list[dict[str, Any]], args: argpar
 
 
 def parse_patch(text: str) -> tuple[int, int]:
-    parts = text.lower().split("x")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise StepError(f"--patch-size {text!r}: expected HxW with positive integers, "
-                        f"e.g. {DEFAULT_PATCH}")
-    return int(parts[0]), int(parts[1])
+    """``"192x160"`` (checked by its parameter's pattern) as (H, W)."""
+    height, width = text.split("x")
+    return int(height), int(width)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(
         prog="python -m steps.preprocess",
         description="Turn the 'raw' MSD task (NIfTI) into the 'dataset' artifact: foreground "
                     "crop, channel-wise z-score, (C, D, H, W) image and (D, H, W) label .npy "
-                    "per case, dataset.json with spacing, statistics and the 5-fold split.")
+                    "per case, dataset.json with spacing, statistics and the fold split (up to 5 folds).")
     parser.add_argument("--raw", required=True, type=Path,
                         help="input 'raw' artifact directory (MANIFEST.json and "
                              "Task01_BrainTumour/ or one other task directory with a "
                              "dataset.json)")
     parser.add_argument("--dataset", required=True, type=Path,
                         help="output 'dataset' artifact directory (absent or empty)")
-    parser.add_argument("--workers", type=int, default=1,
-                        help="parallel worker processes, each holding about two volumes "
-                             "(default 1); the output is identical for any value")
-    parser.add_argument("--image-dtype", choices=IMAGE_DTYPES, default=None,
-                        help="stored image dtype (default float16, or float32 with --mode "
-                             "anchor); the float16 rounding error is measured and recorded "
-                             "in dataset.json")
-    parser.add_argument("--mode", choices=MODES, default="default",
-                        help="'default': keep the whole in-plane foreground for random "
-                             "patches, reorient to RAS+; 'anchor': the anchors' zero pad and "
-                             "centre crop to the patch size in stored voxel order, float32, "
-                             "to compare with their outputs side by side")
-    parser.add_argument("--patch-size", default=DEFAULT_PATCH,
-                        help=f"training patch HxW in voxels (default {DEFAULT_PATCH}); "
-                             "recorded, and the in-plane pad/crop size")
-    args = parser.parse_args(argv)
-    if args.workers < 1:
-        raise StepError(f"--workers {args.workers}: must be at least 1")
-    if args.image_dtype is None:
-        args.image_dtype = "float32" if args.mode == "anchor" else "float16"
+    params.add_arguments(parser, params.PREPROCESS)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    args.image_dtype = params.image_dtype(args.image_dtype, args.mode)
     return args
 
 
@@ -495,14 +477,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     require(args.raw, "raw")
     task_dir = find_task(args.raw)
     task = read_task(task_dir)
-    try:  # refuse too few cases before any work
-        kfold_split([name for name, _, _ in task["pairs"]])
-    except StepError as exc:
-        raise StepError(f"raw artifact {task_dir / 'dataset.json'}: {exc}") from None
-    # The worker count is left out: it cannot change a byte of the output.
-    params = {"image_dtype": args.image_dtype, "mode": args.mode, "patch_size": args.patch_size}
+    recorded = {p.name: getattr(args, p.name) for p in params.PREPROCESS if p.shapes_output}
     start = time.perf_counter()
-    with publish(args.dataset, "dataset", "preprocess", params) as staging:
+    with publish(args.dataset, "dataset", "preprocess", recorded) as staging:
         cases_dir = staging / CASES_DIR
         cases_dir.mkdir()
         jobs = [Job(name=name, image=str(image), label=str(label),

@@ -36,8 +36,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from steps import devices, limits, uris
-from steps.artifacts import manifest_digest, publish
+from steps import devices, limits, params, uris
+from steps.artifacts import manifest_digest, publish, write_outputs
 from steps.checkpoints import CheckpointStore, best_name, serialize
 from steps.dataset import check_values, fold_names, open_cases, read_metadata
 from steps.errors import OneLineArgumentParser, StepError, run_main
@@ -50,103 +50,31 @@ _CHECKED_ENV = "STEPS_TRAIN_INPUTS_CHECKED"   # set by relaunch: the parent hash
 
 # ------------------------------------------------------------------------------- CLI
 
-def _bool(text: str) -> bool:
-    value = str(text).strip().lower()
-    if value in ("true", "1", "yes", "on"):
-        return True
-    if value in ("false", "0", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got '{text}'")
-
-
 def build_parser() -> argparse.ArgumentParser:
+    """The artifact and wiring flags, then every parameter of ``steps.params.TRAIN``."""
     p = OneLineArgumentParser(prog="python -m steps.train",
                               description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dataset", required=True, help="input `dataset` artifact directory")
     p.add_argument("--model", required=True, help="output `model` artifact directory (empty)")
-    g = p.add_argument_group("devices")
-    g.add_argument("--device", default="auto", choices=devices.DEVICE_KINDS,
-                   help="hpu, cuda or cpu; auto picks the first present in that order")
-    g.add_argument("--devices", type=int, default=1,
-                   help="devices per node; >1 runs DDP via torch.distributed.run")
-    g.add_argument("--nodes", type=int, default=1,
+    p.add_argument("--nodes", type=int, default=1,
                    help="nodes of a multi-node job, each started by torch.distributed.run "
                         "(a PyTorchJob); WORLD_SIZE must be nodes x devices")
-    g.add_argument("--precision", default="auto", choices=devices.PRECISIONS,
-                   help="autocast dtype; auto = bf16 on hpu, bf16/fp16 on cuda, fp32 on cpu")
-    g.add_argument("--hpu-mode", default="compile", choices=devices.HPU_MODES,
-                   help="Gaudi execution: torch.compile(hpu_backend) with PT_HPU_LAZY_MODE=0 "
-                        "(Habana's recommendation), lazy mode with mark_step, or eager")
-    g.add_argument("--num-workers", type=int, default=2,
-                   help="DataLoader worker processes building batches (0 = in process)")
-    g = p.add_argument_group("model")
-    g.add_argument("--base-filters", type=int, default=32,
-                   help="filters of the first level (the anchors: 32); doubles per level")
-    g.add_argument("--levels", type=int, default=6,
-                   help="U-Net levels (the anchors: 6); H and W must divide 2**(levels-1)")
-    g.add_argument("--norm", default="instance", choices=("instance", "batch", "group"),
-                   help="normalisation layer")
-    g.add_argument("--deep-supervision", type=_bool, default=True,
-                   help="train with two extra heads weighted 0.5 and 0.25 (true|false)")
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--batch-size", type=int, default=64,
-                   help="global batch: 2D slices per step over all devices")
-    g.add_argument("--val-batch-size", type=int, default=64,
-                   help="slices per forward pass during validation (per device)")
-    g.add_argument("--learning-rate", type=float, default=1e-3, help="peak learning rate")
-    g.add_argument("--weight-decay", type=float, default=1e-4, help="weight decay")
-    g.add_argument("--optimizer", default="adamw", choices=devices.OPTIMIZERS,
-                   help="adamw, sgd, or Habana's FusedAdamW (hpu only)")
-    g.add_argument("--min-epochs", type=int, default=1,
-                   help="never stop early before this many epochs")
-    g.add_argument("--max-epochs", type=int, default=10, help="stop after this many epochs")
-    g.add_argument("--patience", type=int, default=5,
-                   help="stop after this many epochs without a better mean Dice (0 = never)")
-    g.add_argument("--steps-per-epoch", type=int, default=0,
-                   help="optimizer steps per epoch; 0 = one pass over the training slices")
-    g.add_argument("--fold", type=int, default=0, help="validation fold 0..4 of dataset.json")
-    g.add_argument("--seed", type=int, default=1,
-                   help="seed of initialisation, batches and augmentation")
-    g = p.add_argument_group("checkpoints")
-    g.add_argument("--checkpoint-uri", default="",
+    p.add_argument("--checkpoint-uri", default="",
                    help="s3://bucket/prefix or a local directory for checkpoints; empty = none")
-    g.add_argument("--checkpoint-minutes", type=float, default=10.0,
-                   help="also checkpoint within an epoch at this interval (0 = epochs only)")
-    g.add_argument("--resume", default="auto", choices=("auto", "never"),
-                   help="auto continues from the latest checkpoint at --checkpoint-uri")
-    g.add_argument("--resume-from", default="",
-                   help="URI of an earlier run's checkpoints to start from (empty = none)")
+    params.add_arguments(p.add_argument_group("parameters"), params.TRAIN)
     return p
 
 
 def check_args(args: argparse.Namespace) -> None:
-    positive = ("devices", "nodes", "batch_size", "val_batch_size", "max_epochs",
-                "base_filters")
-    for name in positive:
-        if getattr(args, name) < 1:
-            raise StepError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("num_workers", "min_epochs", "patience", "steps_per_epoch"):
-        if getattr(args, name) < 0:
-            raise StepError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if args.levels < (4 if args.deep_supervision else 2):
-        raise StepError(f"--levels must be >= 4 with deep supervision (two extra heads) and "
-                        f">= 2 without, got {args.levels}")
-    if args.learning_rate <= 0:
-        raise StepError(f"--learning-rate must be > 0, got {args.learning_rate}")
-    if args.checkpoint_minutes < 0:
-        raise StepError(f"--checkpoint-minutes must be >= 0, got {args.checkpoint_minutes}")
-    if args.batch_size < args.devices * args.nodes:
-        raise StepError(f"--batch-size {args.batch_size} is smaller than --devices "
-                        f"{args.devices} x --nodes {args.nodes}: every device needs at least "
-                        "one slice per step")
-    if args.min_epochs > args.max_epochs:
-        raise StepError(f"--min-epochs {args.min_epochs} exceeds --max-epochs "
-                        f"{args.max_epochs}")
-    for flag, uri in (("--checkpoint-uri", args.checkpoint_uri),
-                      ("--resume-from", args.resume_from)):
-        if uri:
-            uris.parse(uri, flag, uris.CHECKPOINT_KINDS)
+    """What argparse cannot check alone: the node count, relations, and the URIs."""
+    if args.nodes < 1:
+        raise StepError(f"--nodes must be >= 1, got {args.nodes}")
+    for name, problem in params.train_relations(args, args.nodes):
+        raise StepError(f"--{name.replace('_', '-')} {problem}")
+    params.check_uris(args, params.TRAIN)
+    if args.checkpoint_uri:
+        uris.parse(args.checkpoint_uri, "--checkpoint-uri", uris.CHECKPOINT_KINDS)
 
 
 def check_batch_memory(args: argparse.Namespace, meta: dict[str, Any]) -> None:
@@ -228,7 +156,9 @@ def preflight(args: argparse.Namespace) -> Plan:
                          os.environ.get(_CHECKED_ENV) != "1")
     train_names, val_names = fold_names(meta, args.fold)
     if not train_names or not val_names:
-        raise StepError(f"--fold {args.fold} has no training or no validation cases")
+        raise StepError(f"--fold {args.fold}: the dataset's fold has {len(train_names)} "
+                        f"training and {len(val_names)} validation cases; training needs "
+                        f"both (at least 2 cases, the dataset has {len(meta['cases'])})")
     check_batch_memory(args, meta)
     cases = open_cases(args.dataset, meta, train_names + val_names)
     if rank == 0 and os.environ.get(_CHECKED_ENV) != "1":
@@ -608,11 +538,9 @@ def write_model(plan: Plan, trainer: Trainer, samples: list[dict[str, Any]]) -> 
                    out / "last.pt")
         (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
         write_report(out, metrics, labels, samples)
-        argo = out / "argo-outputs"
-        argo.mkdir()
-        (argo / "mean_dice").write_text(f"{p.best_dice:.4f}\n")
-        (argo / "best_epoch").write_text(f"{p.best_epoch}\n")
-        (argo / "img_per_s").write_text(f"{last['img_per_s']:.1f}\n")
+        write_outputs(out, STEP, {"mean_dice": f"{p.best_dice:.4f}",
+                                  "best_epoch": str(p.best_epoch),
+                                  "img_per_s": f"{last['img_per_s']:.1f}"})
 
 
 def train(plan: Plan) -> int:

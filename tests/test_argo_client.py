@@ -68,15 +68,19 @@ class FakeArgo:
             return 401, {"message": "token not valid"}
         if parts[:3] == ["api", "v1", "workflows"] and r["method"] == "POST":
             if parts[-1] == "submit":
-                return 200, {"metadata": {"name": "from-template-abc"}}
-            wf = r["body"]["workflow"]
-            return 200, {"metadata": {"name": wf["metadata"]["generateName"] + "xyz12"}}
+                return 200, {"metadata": {"name": "from-template-abc"}, "spec": {}}
+            wf = json.loads(json.dumps(r["body"]["workflow"]))   # Argo returns it, named
+            wf["metadata"]["name"] = wf["metadata"]["generateName"] + "xyz12"
+            return 200, wf
         if parts[:3] == ["api", "v1", "workflows"] and r["method"] == "GET":
             phase = self.phases[min(self.polls, len(self.phases) - 1)]
             self.polls += 1
-            return 200, {"status": {"phase": phase, "nodes": {
-                "n1": {"displayName": "download", "type": "Pod", "phase": "Succeeded"},
-                "n2": {"displayName": "train", "type": "Pod", "phase": phase}}}}
+            return 200, {"metadata": {"name": parts[-1]}, "spec": {},
+                         "status": {"phase": phase, "nodes": {
+                "n1": {"id": "n1", "name": "wf.download", "displayName": "download",
+                       "type": "Pod", "phase": "Succeeded"},
+                "n2": {"id": "n2", "name": "wf.train", "displayName": "train", "type": "Pod",
+                       "phase": phase}}}}
         if parts[:3] == ["api", "v1", "workflow-templates"]:
             name = parts[4] if len(parts) > 4 else r["body"]["template"]["metadata"]["name"]
             if r["method"] == "POST":
@@ -133,6 +137,7 @@ def cli(argo, monkeypatch, capsys):
     return run
 
 
+@pytest.mark.slow
 def test_submit_creates_workflow_and_prints_link(argo):
     proc = _cli(argo, "submit", "-p", "train.max_epochs=5")
     assert proc.returncode == 0, proc.stderr
@@ -215,3 +220,26 @@ def test_base_href_prefixes_api_calls(argo):
     with pytest.raises(ArgoError, match="HTTP 404"):
         server.get_workflow("x")
     assert argo.requests[-1]["path"] == "/argo/api/v1/workflows/argo/x"
+
+
+def test_a_server_that_never_answers_times_out_in_one_line():
+    """Hera's service sets no timeout of its own; ours bounds every request."""
+    import socket
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)          # accepts the connection, never replies
+    try:
+        server = ArgoServer(base_url=f"http://127.0.0.1:{listener.getsockname()[1]}",
+                            token=TOKEN, timeout=0.5)
+        with pytest.raises(ArgoError, match=r"cannot reach it \(ReadTimeout\)") as info:
+            server.get_workflow("x")
+        assert "test-token" not in str(info.value)
+    finally:
+        listener.close()
+
+
+def test_a_reply_that_is_not_a_workflow_is_one_line(argo):
+    argo.answer = lambda record: (200, {"unexpected": True})
+    server = ArgoServer.from_env(_env(argo))
+    with pytest.raises(ArgoError, match="get workflow: unexpected reply"):
+        server.get_workflow("x")

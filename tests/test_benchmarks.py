@@ -11,6 +11,8 @@ import pytest
 
 from benchmarks.common import Row
 
+pytestmark = pytest.mark.slow  # runs the benchmarks' smoke mode and whole pipelines
+
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["preprocess", "loader", "train", "handoff", "onnx", "growth"]
 
@@ -73,7 +75,6 @@ def test_row_verdict(ours, baseline, target, expected):
     assert row.ratio == pytest.approx(ours / baseline) and row.verdict == expected
 
 
-@pytest.mark.slow
 def test_compat_check_passes_with_this_interpreter(tmp_path):
     """benchmarks.compat (what a Gaudi image build runs): train, export and convert with this
     torch on its own synthetic dataset, every stage checked by the steps themselves."""

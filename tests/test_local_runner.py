@@ -17,9 +17,12 @@ import pytest
 import yaml
 
 from steps import storage
-from workflows.local import LocalRunError, pod_name, run_workflow, validate_workflow
+from workflows.local.errors import LocalRunError
+from workflows.local.dag import pod_name
+from workflows.local.runner import run_workflow, validate_workflow
 from workflows.local.expr import eval_depends, eval_when, substitute
-from workflows.local.runner import duration_seconds, fnv1a_32
+from workflows.local.dag import fnv1a_32
+from workflows.local.spec import duration_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP = str(Path(__file__).resolve().parent / "local_runner_step.py")
@@ -293,6 +296,7 @@ def _memoized(counter: Path) -> dict:
     return wf
 
 
+@pytest.mark.slow
 def test_memoized_node_is_skipped_and_its_outputs_reused(run, s3, tmp_path):
     counter = tmp_path / "count"
     first = run(_memoized(counter))
@@ -375,6 +379,7 @@ def _sleepy(retry: dict, marker: Path, code: int = 1) -> dict:
     return workflow([{"name": "s", "template": "sleepy"}], [sleepy])
 
 
+@pytest.mark.slow
 def test_retry_max_duration_is_a_deadline_that_kills_a_later_attempt(run, tmp_path):
     """Argo: maxDuration counts from the first attempt's start; a retry still running when
     it passes is stopped (ARGO_DEADLINE), and no attempt follows."""
@@ -444,6 +449,7 @@ def test_a_work_volume_is_a_folder_of_the_pod(run, s3):
         run(wf)
 
 
+@pytest.mark.slow
 def test_template_timeout_stops_the_step(run):
     sleepy = {"name": "sleepy", "timeout": "1s",
               "container": {"image": "python:3.11-slim", "command": ["python", "-c"],
@@ -521,8 +527,7 @@ def test_compose_file_is_pinned_healthy_and_secret_free():
 
 # ---- the project's own Workflow --------------------------------------------------------------
 def test_the_pipeline_workflow_passes_the_runner_checks():
-    unet = pytest.importorskip("workflows.unet")
-    config = pytest.importorskip("workflows.config")
+    from workflows import config, unet
     cfg = config.load_config(ROOT / "config" / "pipeline.yaml", None, [], local=True)
     notes = validate_workflow(unet.build(cfg, "workflow").to_dict())
     assert any("/dev/shm" in n for n in notes)

@@ -163,6 +163,7 @@ def test_wave1_multinode_defects_are_flagged():
         assert expected in text, expected
 
 
+@pytest.mark.slow
 @needs_crd
 def test_the_pytorchjob_passes_the_operators_crd():
     doc = _multinode()

@@ -20,7 +20,9 @@ import pytest
 
 from steps import storage
 from workflows.config import load_config
-from workflows.local import LocalRunError, pods, run_workflow
+from workflows.local import pods
+from workflows.local.errors import LocalRunError
+from workflows.local.runner import run_workflow
 from workflows.unet import build
 
 REPO = Path(__file__).resolve().parents[1]

@@ -238,6 +238,7 @@ def test_anchor_mode_matches_monai_pipeline(raw, tmp_path):
     assert worst < 1e-5
 
 
+@pytest.mark.slow
 def test_output_bytes_do_not_depend_on_worker_count(raw, default_out, tmp_path):
     result = run_cli("--raw", str(raw), "--dataset", str(tmp_path / "w2"), "--workers", "2",
                      "--patch-size", f"{PATCH[0]}x{PATCH[1]}")
@@ -336,6 +337,7 @@ BAD_INPUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(BAD_INPUTS))
 def test_bad_input_is_one_line_naming_the_case(kind, tmp_path):
     edit_cases, edit_files, needle = BAD_INPUTS[kind]
@@ -354,6 +356,7 @@ def test_bad_input_is_one_line_naming_the_case(kind, tmp_path):
     assert list(out.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_gzip_truncation_is_caught_before_numpy(tmp_path):
     # A stream cut exactly at a member boundary decompresses but lacks voxel bytes.
     cases = small_cases(5)
@@ -387,15 +390,38 @@ def test_missing_raw_manifest_is_refused(raw, tmp_path):
     assert not (tmp_path / "ds").exists() or list((tmp_path / "ds").iterdir()) == []
 
 
-def test_too_few_cases_for_five_folds_names_the_raw_dataset_json(tmp_path):
-    few = tmp_path / "few"
-    make_raw(few, small_cases(4))
-    result = run_cli("--raw", str(few), "--dataset", str(tmp_path / "ds"))
-    assert_one_line_error(result, str(few / "Task01_BrainTumour" / "dataset.json"),
-                          "at least 5 cases", "got 4")
-    assert not (tmp_path / "ds").exists() or list((tmp_path / "ds").iterdir()) == []
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_any_number_of_cases_is_preprocessed_with_a_fold_per_case_below_five(tmp_path, n):
+    """The split belongs to training: preprocess takes one case or more, and below five
+    cases each case validates one fold (leave one out)."""
+    raw = tmp_path / "raw"
+    make_raw(raw, small_cases(n))
+    result = run_cli("--raw", str(raw), "--dataset", str(tmp_path / "ds"), "--patch-size", "16x16")
+    assert result.returncode == 0, result.stderr
+    meta = read_metadata(tmp_path / "ds")
+    assert len(meta["cases"]) == n and len(meta["folds"]) == n
+    assert sorted(name for fold in meta["folds"] for name in fold["val"]) == \
+        sorted(case["name"] for case in meta["cases"])
 
 
+@pytest.mark.slow
+def test_train_refuses_a_fold_it_cannot_train_on(tmp_path):
+    """One case: the dataset is valid, and train says in one line why its fold cannot train."""
+    raw = tmp_path / "raw"
+    make_raw(raw, small_cases(1))
+    assert run_cli("--raw", str(raw), "--dataset", str(tmp_path / "ds"),
+                   "--patch-size", "16x16").returncode == 0
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-m", "steps.train", "--dataset", str(tmp_path / "ds"),
+                             "--model", str(tmp_path / "model"), "--device", "cpu",
+                             "--levels", "4", "--batch-size", "2"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert_one_line_error(result, "--fold 0", "0 training and 1 validation", "has 1")
+    assert not (tmp_path / "model").exists()
+
+
+@pytest.mark.slow
 def test_bad_parameters_and_help():
     result = run_cli("--help")
     assert result.returncode == 0

@@ -301,6 +301,7 @@ def outcome(exc: StepError) -> str:
     return "StepError: " + " ".join(words[:4])
 
 
+@pytest.mark.slow
 @settings(max_examples=600, **SETTINGS)
 @given(nifti_files(), st.sampled_from([MiB, 4 * KiB, 1 * KiB]))
 def test_nifti_load_is_valid_or_one_line_steperror(spec, limit):
@@ -558,6 +559,7 @@ def tar_outcome(spec: dict, max_members: int, max_member: int, max_total: int) -
     return "extracted"
 
 
+@pytest.mark.slow
 @settings(max_examples=250, **SETTINGS)
 @given(tar_archives(),
        st.sampled_from([1000, 3, 10]),            # max_members

@@ -377,6 +377,7 @@ def test_missing_credentials_is_one_line(s3_env, monkeypatch, tmp_path):
                            s3_env.endpoint, s3_env.bucket)
 
 
+@pytest.mark.slow
 def test_unreachable_endpoint_fails_in_seconds(s3_env, monkeypatch, tmp_path):
     closed = f"http://127.0.0.1:{free_ports(1)[0]}"
     monkeypatch.setenv("AWS_ENDPOINT_URL", closed)

@@ -16,6 +16,8 @@ import torch
 
 from train_data import REPO, make_dataset, run_step, step_env
 
+pytestmark = pytest.mark.slow  # trains in step subprocesses
+
 # Tiny network for 64x64 slices: 4 levels (size multiple 8), 8 base filters.
 TINY = ["--device", "cpu", "--base-filters", "8", "--levels", "4", "--num-workers", "0",
         "--val-batch-size", "32"]
@@ -36,7 +38,6 @@ def load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-@pytest.mark.slow
 def test_cpu_run_learns_and_publishes_the_model_artifact(dataset, tmp_path):
     model = tmp_path / "model"
     done = train(dataset, model, "--batch-size", "16", "--steps-per-epoch", "40",
@@ -86,7 +87,6 @@ def test_cpu_run_learns_and_publishes_the_model_artifact(dataset, tmp_path):
                                                               abs=1e-6)
 
 
-@pytest.mark.slow
 def test_two_process_gloo_ddp_run_publishes_the_same_outputs(dataset, tmp_path):
     model = tmp_path / "model"
     done = train(dataset, model, "--devices", "2", "--batch-size", "4",
@@ -102,7 +102,6 @@ def test_two_process_gloo_ddp_run_publishes_the_same_outputs(dataset, tmp_path):
     assert done.stderr.count("epoch 1: loss") == 1   # only rank 0 logs
 
 
-@pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_gives_bitwise_identical_weights(dataset, tmp_path):
     args = ["--batch-size", "4", "--steps-per-epoch", "6", "--max-epochs", "2",
             "--checkpoint-minutes", "0.0001", "--patience", "0", "--seed", "7"]
@@ -170,8 +169,8 @@ def test_mismatched_dataset_manifest(dataset, tmp_path):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--fold", "7"], "--fold 7 is out of range"),
-    (["--devices", "4", "--batch-size", "2"], "--batch-size 2 is smaller than --devices 4"),
+    (["--fold", "7"], "--fold: must be <= 4 (got 7)"),
+    (["--devices", "4", "--batch-size", "2"], "--batch-size must be >= devices x nodes"),
     (["--device", "cuda"], "no CUDA GPU found"),
     (["--device", "hpu"], "no Gaudi HPU found"),
 ])

@@ -176,6 +176,7 @@ _FULL_DISK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_failing_write_leaves_latest_on_the_previous_checkpoint(tmp_path):
     """A writer that runs out of space (RLIMIT_FSIZE 1 MB) halfway through a 16 MB file."""
     done = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path)], cwd=REPO,
@@ -314,6 +315,7 @@ _STANDIN_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["lazy", "compile"])
 def test_gaudi_path_with_the_labelled_standin(tmp_path, mode):
     """STAND-IN test: a fake habana_frameworks (tests/hpu_standin) records what we call."""

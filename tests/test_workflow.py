@@ -104,6 +104,21 @@ def test_lint_command_passes_and_fails(capsys, monkeypatch):
     assert ":latest" in capsys.readouterr().out
 
 
+def test_lint_names_a_skipped_check_and_strict_fails_on_it(capsys, monkeypatch):
+    """A check that could not run is never part of "ok"; --strict (CI) fails on it."""
+    from workflows import lint as lint_module
+    from workflows.cli import main
+    for name in ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "ARGO_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(lint_module, "schema", lambda doc: None)
+    assert main(["lint"]) == 0
+    out = capsys.readouterr().out
+    assert "workflow: ok (round-trip, crd," in out and "schema: skipped" in out
+    assert main(["lint", "--strict"]) == 1
+    out = capsys.readouterr().out
+    assert ": ok" not in out and out.count("error: schema: skipped") == 2
+
+
 def test_dag_wiring_and_artifacts():
     doc = _doc()
     t = _templates(doc)
@@ -218,6 +233,7 @@ def test_template_kind_and_multinode_variant():
     assert tasks["convert"]["depends"] == "collect-model"
 
 
+@pytest.mark.slow
 def test_render_script_and_module_agree(tmp_path):
     out = tmp_path / "wf.yaml"
     proc = subprocess.run([sys.executable, "workflows/unet.py", "render", "--kind", "template",

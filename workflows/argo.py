@@ -1,4 +1,9 @@
-"""A small Argo Server REST client, configured the way the ``argo`` CLI is.
+"""Submit, publish and watch on the Argo Server through Hera's ``WorkflowsService``.
+
+What Hera lacks, and this module adds: the ``argo`` CLI's environment (Hera's own config
+is set in code, not read from ``ARGO_*``), a timeout on every request (Hera sets none, so
+a silent server would hang ``submit``), publish as create-or-update, the status watch,
+and one-line errors.
 
 Environment: ``ARGO_SERVER`` (``host:port``, or a URL with its scheme), ``ARGO_SECURE``
 (``false`` means plain http when ARGO_SERVER has no scheme), ``ARGO_TOKEN`` (the
@@ -6,24 +11,29 @@ Authorization value, e.g. ``Bearer ...``; a bare token gets ``Bearer``),
 ``ARGO_NAMESPACE`` (default ``argo``), ``ARGO_INSECURE_SKIP_VERIFY`` and
 ``ARGO_BASE_HREF`` (the path prefix of both the API and the UI).
 
-Errors are one line (:class:`ArgoError`) naming the server, method and path; the token is
-never printed.
+Errors are one line (:class:`ArgoError`) naming the server, the call and the HTTP status;
+the token is never printed.
 """
 from __future__ import annotations
 
-import json
 import os
-import ssl
+import re
 import sys
 import time
-import urllib.error
-import urllib.request
+import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
+
+import requests
+from hera.exceptions import AlreadyExists, HeraException
+from hera.workflows import Workflow, WorkflowTemplate
+from hera.workflows import models as m
+from hera.workflows.service import WorkflowsService
 
 from steps.errors import StepError
 
 DONE = ("Succeeded", "Failed", "Error")
+_HERA_MESSAGE = re.compile(r"status code (\d+) with message: `(.*)`", re.DOTALL)
 
 
 class ArgoError(StepError):
@@ -32,6 +42,23 @@ class ArgoError(StepError):
 
 def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class _TimedSession(requests.Session):
+    """A session whose every request has a timeout."""
+
+    def __init__(self, timeout: float):
+        super().__init__()
+        self.timeout = timeout
+
+    def request(self, method, url, **kwargs):
+        kwargs.setdefault("timeout", self.timeout)
+        return super().request(method, url, **kwargs)
+
+
+def _plain(model: Any) -> dict:
+    """A Hera model as the JSON dict the server sent."""
+    return model.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
 @dataclass
@@ -63,66 +90,70 @@ class ArgoServer:
     def ui_link(self, name: str) -> str:
         return f"{self.base_url}/workflows/{self.namespace}/{name}"
 
-    def request(self, method: str, path: str, body: Any | None = None) -> tuple[int, Any]:
-        """Send one JSON request; return (status, decoded body). Non-2xx raise ArgoError,
-        except 409 which is returned so callers can update instead."""
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base_url + path, data=data, method=method)
-        req.add_header("Accept", "application/json")
-        if data is not None:
-            req.add_header("Content-Type", "application/json")
-        if self.token:
-            req.add_header("Authorization", self.token)
-        context = None
-        if self.base_url.startswith("https") and not self.verify_tls:
-            context = ssl._create_unverified_context()  # ARGO_INSECURE_SKIP_VERIFY asked for it
+    def service(self) -> WorkflowsService:
+        # The trailing slash keeps ARGO_BASE_HREF: Hera joins "api/v1/..." onto the host.
+        return WorkflowsService(host=self.base_url + "/", token=self.token or None,
+                                verify_ssl=self.verify_tls, namespace=self.namespace,
+                                session=_TimedSession(self.timeout))
+
+    def call(self, what: str, method: Callable[..., Any], *args, **kwargs) -> Any:
+        """One service call; a refusal or an unreachable server becomes an ArgoError."""
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout, context=context) as resp:
-                return resp.status, _decode(resp.read())
-        except urllib.error.HTTPError as exc:
-            payload = _decode(exc.read())
-            if exc.code == 409:
-                return 409, payload
-            message = payload.get("message") if isinstance(payload, dict) else None
-            raise ArgoError(f"argo server {self.base_url}: {method} {path} failed: HTTP "
-                            f"{exc.code} {message or exc.reason}") from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise ArgoError(f"argo server {self.base_url}: cannot reach it ({reason})") from None
+            with warnings.catch_warnings():   # ARGO_INSECURE_SKIP_VERIFY asked for it
+                warnings.simplefilter("ignore")
+                return method(*args, **kwargs)
+        except AlreadyExists:
+            raise
+        except HeraException as exc:
+            found = _HERA_MESSAGE.search(str(exc))
+            detail = f"HTTP {found.group(1)} {found.group(2)}" if found else str(exc)
+            raise ArgoError(f"argo server {self.base_url}: {what} failed: {detail}") from None
+        except requests.RequestException as exc:
+            raise ArgoError(f"argo server {self.base_url}: cannot reach it "
+                            f"({type(exc).__name__})") from None
+        except ValueError as exc:    # pydantic: the reply is not the object Argo returns
+            raise ArgoError(f"argo server {self.base_url}: {what}: unexpected reply "
+                            f"({str(exc).splitlines()[0][:120]})") from None
 
     # --- API calls -----------------------------------------------------------------------
     def create_workflow(self, workflow: dict) -> dict:
-        status, body = self.request("POST", f"/api/v1/workflows/{self.namespace}",
-                                    {"namespace": self.namespace, "workflow": workflow})
-        if status == 409:
-            raise ArgoError(f"argo server {self.base_url}: workflow already exists")
-        return body
+        request = m.WorkflowCreateRequest(namespace=self.namespace,
+                                          workflow=Workflow.from_dict(workflow).build())
+        try:
+            return _plain(self.call("create workflow", self.service().create_workflow, request))
+        except AlreadyExists:
+            raise ArgoError(f"argo server {self.base_url}: workflow already exists") from None
 
     def submit_from_template(self, template: str, parameters: list[str]) -> dict:
-        status, body = self.request("POST", f"/api/v1/workflows/{self.namespace}/submit", {
-            "namespace": self.namespace, "resourceKind": "WorkflowTemplate",
-            "resourceName": template, "submitOptions": {"parameters": parameters}})
-        return body
+        request = m.WorkflowSubmitRequest(
+            namespace=self.namespace, resource_kind="WorkflowTemplate", resource_name=template,
+            submit_options=m.SubmitOpts(parameters=parameters))
+        return _plain(self.call("submit", self.service().submit_workflow, request))
 
     def publish_template(self, template: dict) -> tuple[str, dict]:
         """Create the WorkflowTemplate, or update it in place when it exists (409)."""
-        ns, name = self.namespace, template["metadata"]["name"]
-        status, body = self.request("POST", f"/api/v1/workflow-templates/{ns}",
-                                    {"namespace": ns, "template": template})
-        if status != 409:
-            return "created", body
-        _, current = self.request("GET", f"/api/v1/workflow-templates/{ns}/{name}")
-        updated = json.loads(json.dumps(template))
-        updated["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
-        status, body = self.request("PUT", f"/api/v1/workflow-templates/{ns}/{name}",
-                                    {"namespace": ns, "name": name, "template": updated})
-        if status == 409:
+        service, name = self.service(), template["metadata"]["name"]
+        model = WorkflowTemplate.from_dict(template).build()
+        try:
+            created = self.call("create template", service.create_workflow_template,
+                                m.WorkflowTemplateCreateRequest(namespace=self.namespace,
+                                                                template=model))
+            return "created", _plain(created)
+        except AlreadyExists:
+            pass
+        current = self.call("get template", service.get_workflow_template, name)
+        model.metadata.resource_version = current.metadata.resource_version
+        try:
+            updated = self.call("update template", service.update_workflow_template, name,
+                                m.WorkflowTemplateUpdateRequest(
+                                    name=name, namespace=self.namespace, template=model))
+        except AlreadyExists:
             raise ArgoError(f"argo server {self.base_url}: template {name} changed while "
-                            "updating it; publish again")
-        return "updated", body
+                            "updating it; publish again") from None
+        return "updated", _plain(updated)
 
     def get_workflow(self, name: str) -> dict:
-        return self.request("GET", f"/api/v1/workflows/{self.namespace}/{name}")[1]
+        return _plain(self.call("get workflow", self.service().get_workflow, name))
 
     def watch(self, name: str, poll: float = 5.0, timeout: float | None = None,
               out=None) -> str:
@@ -148,12 +179,3 @@ class ArgoServer:
                 raise ArgoError(f"workflow {name}: still {phase or 'Pending'} after "
                                 f"{timeout:g} s")
             time.sleep(poll)
-
-
-def _decode(raw: bytes) -> Any:
-    if not raw:
-        return {}
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return {"message": raw.decode(errors="replace")[:200]}

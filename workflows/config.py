@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Annotated, Any, Iterator, Literal, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, create_model,
+                      field_validator)
 from pydantic import AfterValidator
 
-from steps import uris
+from steps import params, uris
 from steps.errors import StepError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +41,6 @@ _DATA_KEY = r"^[-._a-zA-Z0-9]+$"                           # a Secret or ConfigM
 _REGION = r"^[a-z]{2}(-[a-z]+)+-[0-9]+$"
 _REPOSITORY = r"^[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)+$"
 _TAG = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$"
-_URI = r"^[a-z][a-z0-9+.-]*://\S*$"
 _LABEL_KEY = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
 _LABEL_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
 _TEMPLATE = re.compile(r"\{\{|\}\}")
@@ -140,49 +140,31 @@ def _place(key: str, kinds: tuple[str, ...]):
     return AfterValidator(check)
 
 
-class Download(_Strict):
-    source: Annotated[str, Field(pattern=_URI),
-                      _place("download.source", uris.SOURCE_KINDS)]
-    md5: str = Field("", pattern=r"^([0-9a-f]{32})?$")
+# A pod reads nothing from the submitting machine: on a cluster these URIs must be S3.
+_CLUSTER_KINDS = {"train.resume_from": ("s3",)}
 
 
-class Preprocess(_Strict):
-    workers: int = Field(4, ge=1)
-    image_dtype: Literal["float16", "float32"] = "float16"
-    mode: Literal["default", "anchor"] = "default"
-    patch_size: str = Field("192x160", pattern=r"^[1-9][0-9]*x[1-9][0-9]*$")
+def _field(section: str, p: params.Param) -> tuple[Any, Any]:
+    """A pydantic field from a step parameter: the same type, default, bounds and help."""
+    annotation: Any = Literal[p.choices] if p.choices else p.type
+    if p.uri_kinds:
+        key = f"{section}.{p.name}"
+        annotation = Annotated[annotation, _place(key, _CLUSTER_KINDS.get(key, p.uri_kinds))]
+    default = ... if p.default is None else p.default
+    pattern = f"^(?:{p.pattern})$" if p.pattern else None
+    return annotation, Field(default, ge=p.ge, gt=p.gt, le=p.le, pattern=pattern,
+                             description=p.help)
 
 
-class Train(_Strict):
-    device: Literal["auto", "hpu", "cuda", "cpu"] = "auto"
-    devices: int = Field(1, ge=1, le=64)
-    batch_size: int = Field(64, ge=1)
-    val_batch_size: int = Field(64, ge=1)
-    learning_rate: float = Field(1e-3, gt=0, le=1)
-    weight_decay: float = Field(1e-4, ge=0)
-    optimizer: Literal["adamw", "fusedadamw", "sgd"] = "adamw"
-    min_epochs: int = Field(1, ge=0)
-    max_epochs: int = Field(100, ge=1)
-    patience: int = Field(10, ge=0)
-    steps_per_epoch: int = Field(0, ge=0)
-    deep_supervision: bool = True
-    norm: Literal["instance", "batch", "group"] = "instance"
-    base_filters: int = Field(32, ge=1)
-    levels: int = Field(6, ge=4, le=8)
-    seed: int = Field(1, ge=0)
-    num_workers: int = Field(8, ge=0)
-    fold: int = Field(0, ge=0, le=4)
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    hpu_mode: Literal["compile", "lazy", "eager"] = "compile"
-    checkpoint_minutes: float = Field(10, gt=0)
-    resume: Literal["auto", "never"] = "auto"
-    resume_from: Annotated[str, _place("train.resume_from", ("s3",))] = Field(
-        "", pattern=r"^(s3://\S+)?$", description="s3:// checkpoints of an earlier run, or empty")
+def _step_section(section: str) -> type[_Strict]:
+    fields = {p.name: _field(section, p) for p in params.STEPS[section]}
+    return create_model(section.capitalize(), __base__=_Strict, **fields)
 
 
-class Convert(_Strict):
-    opset: int = Field(17, ge=17)
-    parity_slices: int = Field(32, ge=32)
+Download = _step_section("download")
+Preprocess = _step_section("preprocess")
+Train = _step_section("train")
+Convert = _step_section("convert")
 
 
 class Toleration(_Strict):
@@ -320,6 +302,8 @@ def _one_line(error: ValidationError, source: str) -> ConfigError:
         return ConfigError(f"{source}: {loc}: required key is missing")
     message = first["msg"]
     message = re.sub(r"^(Value error, |Input should be )", "", message)
+    if message.startswith(f"{loc} "):   # steps.uris names the key itself
+        return ConfigError(f"{source}: {message}")
     if first["type"] == "string_pattern_mismatch":
         message = f"must match {first['ctx']['pattern']}"
     got = first.get("input")
@@ -412,18 +396,12 @@ def _check_values(config: Config, source: str) -> None:
 
 def _check_consistency(config: Config, source: str) -> None:
     _check_values(config, source)
-    train = config.train
-    if train.min_epochs > train.max_epochs:
-        raise ConfigError(f"{source}: train.min_epochs: must be <= train.max_epochs "
-                          f"({train.min_epochs} > {train.max_epochs})")
-    world = train.devices * config.resources.train.nodes
-    if train.batch_size < world:
-        raise ConfigError(f"{source}: train.batch_size: must be >= train.devices x "
-                          f"resources.train.nodes ({train.batch_size} < {world})")
+    for name, problem in params.train_relations(config.train, config.resources.train.nodes):
+        raise ConfigError(f"{source}: train.{name}: {problem}")
     accelerator = config.resources.train.accelerator
     wanted = {"gaudi": "hpu", "cuda": "cuda", "cpu": "cpu"}[accelerator]
-    if train.device not in ("auto", wanted):
-        raise ConfigError(f"{source}: train.device: '{train.device}' does not match "
+    if config.train.device not in ("auto", wanted):
+        raise ConfigError(f"{source}: train.device: '{config.train.device}' does not match "
                           f"resources.train.accelerator '{accelerator}' (use {wanted} or auto)")
     if config.resources.train.nodes > 1 and accelerator == "cpu":
         raise ConfigError(f"{source}: resources.train.nodes: multi-node training needs "

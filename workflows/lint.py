@@ -30,6 +30,8 @@ _SECRET_PATTERNS = {
     "a private key": re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
     "credentials in a URL": re.compile(r"\b[a-z][a-z0-9+.-]*://[^/\s:@{}]+:[^/\s@{}]+@"),
 }
+CHECKS = ("round-trip", "schema", "crd", "artifacts", "secrets", "images", "pods",
+          "references")
 _PARAM = re.compile(r"\{\{\s*workflow\.parameters\.([\w-]+)\s*\}\}")
 
 

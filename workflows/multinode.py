@@ -45,9 +45,9 @@ from hera.workflows import models as m
 from hera.workflows.archive import NoneArchiveStrategy
 
 from workflows.config import Config, seconds
-from workflows import unet
+from workflows import templates as t
 
-POD_DATA = unet.DATA  # inside the job's pods (not an Argo artifact path): the work volume
+POD_DATA = t.DATA  # inside the job's pods (not an Argo artifact path): the work volume
 MASTER_PORT = 23456  # the operator's default; its Master must name the port pytorchjob-port
 RESOURCE_GRACE_S = 900  # the resource node waits this much longer than the job may run
 CONDITION_INDEXES = range(6)  # Created, Running/Restarting, Suspended, Succeeded|Failed, ...
@@ -62,7 +62,7 @@ def shared_uri(cfg: Config, what: str) -> str:
 
 
 def _worker_script(cfg: Config) -> str:
-    train = unet.train_args(cfg, f"{POD_DATA}/dataset", f"{POD_DATA}/model")
+    train = t.train_args(cfg, f"{POD_DATA}/dataset", f"{POD_DATA}/model")
     return " && ".join([
         "set -e",
         shlex.join(["python", "-m", "steps.handoff", "fetch", "--artifact", "dataset",
@@ -75,10 +75,10 @@ def _worker_script(cfg: Config) -> str:
 
 
 def _pod(cfg: Config, replicas: int, master: bool) -> dict:
-    resources, volumes, mounts = unet.accelerator_resources(cfg)
+    resources, volumes, mounts = t.accelerator_resources(cfg)
     r = cfg.resources.train
     env = [e.model_dump(by_alias=True, exclude_none=True)
-           for e in unet.s3_env(cfg) + unet.extra_env(cfg)]
+           for e in t.s3_env(cfg) + t.extra_env(cfg)]
     pod = {
         "serviceAccountName": cfg.pipeline.service_account,
         "securityContext": {"runAsNonRoot": True, "runAsUser": cfg.pipeline.run_as_user,
@@ -86,7 +86,7 @@ def _pod(cfg: Config, replicas: int, master: bool) -> dict:
                             "fsGroup": cfg.pipeline.run_as_user},
         "containers": [{
             "name": "pytorch",  # the operator requires this container name
-            "image": unet.image(cfg, cfg.train_image_kind),
+            "image": t.image(cfg, cfg.train_image_kind),
             "imagePullPolicy": cfg.images.pull_policy,
             "command": ["sh", "-c", _worker_script(cfg)],
             "env": env,
@@ -114,7 +114,7 @@ def job_manifest(cfg: Config) -> str:
                      "labels": {"app.kubernetes.io/name": "unet-argo",
                                 "workflows.argoproj.io/workflow": "{{workflow.name}}"}},
         "spec": {
-            "nprocPerNode": unet.arg("devices"),
+            "nprocPerNode": t.arg("devices"),
             "runPolicy": {"cleanPodPolicy": "None", "backoffLimit": cfg.retry.limit,
                           "activeDeadlineSeconds": seconds(cfg.resources.train.timeout)},
             "pytorchReplicaSpecs": {"Master": _pod(cfg, 1, master=True),
@@ -134,38 +134,35 @@ def templates(cfg: Config) -> dict:
     verify = lambda artifact: ["python", "-m", "steps.handoff", "verify",  # noqa: E731
                                "--artifact", artifact,
                                "{{inputs.artifacts.%s.path}}" % artifact]
-    share = unet.step(
+    share = t.step(
         cfg, "share-dataset", "cpu", verify("dataset"), resources="handoff",
-        inputs=[Parameter(name="image-tag"), unet.directory("dataset")],
-        outputs=[S3Artifact(name="dataset", path=f"{unet.DATA}/dataset",
+        inputs=[Parameter(name="image-tag"), t.directory("dataset")],
+        outputs=[S3Artifact(name="dataset", path=f"{t.DATA}/dataset",
                             key=shared_key("dataset"), archive=NoneArchiveStrategy())])
     train = Resource(
         name="train", action="create", set_owner_reference=True,
         manifest=job_manifest(cfg),
         success_condition="status.replicaStatuses.Master.succeeded > 0",
         failure_condition=failure_condition(),
-        inputs=[Parameter(name=n) for n in unet.TRAIN_PARAMS],
+        inputs=t.train_inputs(),
         active_deadline_seconds=seconds(cfg.resources.train.timeout) + RESOURCE_GRACE_S,
-        retry_strategy=unet.retry(cfg), metrics=m.Metrics(prometheus=[
-            unet.duration_metric(cfg)]))
-    collect = unet.step(
+        retry_strategy=t.retry(cfg), metrics=m.Metrics(prometheus=[
+            t.duration_metric(cfg)]))
+    collect = t.step(
         cfg, "collect-model", "cpu", verify("model"), resources="handoff",
         inputs=[Parameter(name="image-tag"), Parameter(name="precision"),
-                S3Artifact(name="model", path=f"{unet.DATA}/model", key=shared_key("model"))],
-        outputs=unet.model_outputs(),
-        metrics=m.Metrics(prometheus=unet.result_metrics(cfg)))
+                S3Artifact(name="model", path=f"{t.DATA}/model", key=shared_key("model"))],
+        outputs=t.model_outputs(),
+        metrics=m.Metrics(prometheus=t.result_metrics(cfg)))
     return {"share": share, "train": train, "collect": collect}
 
 
-def tasks(cfg: Config, tmpl: dict, train_args: list[Parameter]) -> tuple[Task, Task]:
+def tasks(wf, tmpl: dict, train_args: list[Parameter], dataset) -> tuple[Task, Task]:
     """Create the tasks inside the open DAG; return (first, last) for the caller's wiring."""
-    data_tag = unet.wf_param("data-image-tag")
-    share = Task(name="share-dataset", template=tmpl["share"],
-                 arguments=unet.params(image_tag=data_tag)
-                 + [unet.from_task("preprocess", "dataset")])
+    data_tag = wf.get_parameter("data-image-tag").with_name("image-tag")
+    share = Task(name="share-dataset", template=tmpl["share"], arguments=[data_tag, dataset])
     train = Task(name="train", template=tmpl["train"], arguments=train_args)
     collect = Task(name="collect-model", template=tmpl["collect"],
-                   arguments=unet.params(image_tag=data_tag,
-                                         precision=unet.wf_param("precision")))
+                   arguments=[data_tag, wf.get_parameter("precision")])
     share >> train >> collect
     return share, collect

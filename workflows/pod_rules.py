@@ -29,7 +29,7 @@ from typing import Iterator
 
 import yaml
 
-from workflows.local.runner import duration_seconds
+from workflows.local.spec import duration_seconds
 
 OVERLAYS = Path(__file__).resolve().parent.parent / "manifests" / "overlays"
 WRITABLE_VOLUMES = ("emptyDir", "persistentVolumeClaim", "ephemeral")

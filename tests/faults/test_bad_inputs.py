@@ -24,7 +24,7 @@ from steps.artifacts import write_manifest
 from test_download import make_tar, member
 from test_preprocess import _set as edit_case, _with, make_raw, small_cases
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
 TASK = synthetic.TASK
 CLI = [sys.executable, "workflows/unet.py"]
 

@@ -19,13 +19,13 @@ from conftest import REPO
 from steps import storage
 from test_local_runner import chain
 
-pytestmark = [pytest.mark.faults, pytest.mark.s3]
+pytestmark = [pytest.mark.faults, pytest.mark.s3, pytest.mark.slow]
 RUNS = 4
 BUCKET = "faults-concurrent"
 DRIVER = """
 import json, sys
 from pathlib import Path
-from workflows.local import run_workflow
+from workflows.local.runner import run_workflow
 workflow, root, message = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]), sys.argv[3]
 result = run_workflow(workflow, run_dir=root / "state", output_dir=root / "outputs",
                       bucket=sys.argv[4], parameters={"msg": message}, backoff_scale=0.0,

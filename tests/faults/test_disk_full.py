@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REPO, assert_one_error_line
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

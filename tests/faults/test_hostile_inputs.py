@@ -38,7 +38,7 @@ from steps.artifacts import MANIFEST, require, write_manifest
 from test_preprocess import make_raw, small_cases
 from train_data import make_dataset
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
 TASK = synthetic.TASK
 SHAPE = (32, 32, 16)
 VICTIM = "BRATS_003"                   # the case whose files the preprocess tests replace
@@ -381,16 +381,16 @@ def test_nan_case_in_the_dataset_is_refused(dataset, tmp_path):
 
 
 def test_dataset_that_would_validate_on_training_data_is_refused(dataset, tmp_path):
-    """A one-case dataset, or a fold whose validation cases are also training cases, would
-    report a validation Dice measured on training data."""
+    """A one-case dataset has no fold to train on, and a fold whose validation cases are
+    also training cases would report a validation Dice measured on training data."""
     cases = []
     home = tmp_path / "one"
     copy, meta, victim = _dataset_copy(dataset, home)
     meta["cases"] = [c for c in meta["cases"] if c["name"] == victim]
-    meta["folds"] = [{"train": [victim], "val": [victim]}] * 5
+    meta["folds"] = [{"train": [], "val": [victim]}]
     _save(copy, meta)
-    cases.append(_train_case("one-case dataset", home, copy, needles=("at least two cases",),
-                             timeout=120))
+    cases.append(_train_case("one-case dataset", home, copy,
+                             needles=("--fold 0", "0 training and 1 validation"), timeout=120))
     home = tmp_path / "shared"
     copy, meta, victim = _dataset_copy(dataset, home)
     meta["folds"][0]["val"].append(victim)

@@ -18,7 +18,7 @@ from conftest import REPO, assert_one_error_line
 from steps.artifacts import MANIFEST, require, write_manifest
 from workflows.s3server import SeaweedServer, find_weed
 
-pytestmark = [pytest.mark.faults, pytest.mark.s3]
+pytestmark = [pytest.mark.faults, pytest.mark.s3, pytest.mark.slow]
 BUCKET = "outage"
 FILES, FILE_BYTES = 120, 256 << 10
 

@@ -15,15 +15,37 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from steps import storage
 from workflows.local.errors import LocalRunError
+from workflows.local.expr import substitute
 from workflows.local.results import ArtifactRef
+from workflows.local.spec import duration_seconds
 
 MEMO_PREFIX = "argo-local-memoize"
 KEY_RE = re.compile(r"^[a-zA-Z0-9][-a-zA-Z0-9]*$")
 DEFAULT_MAX_AGE_S = 30 * 24 * 3600
+
+
+@dataclass(frozen=True)
+class Memo:
+    """A template's resolved ``memoize``: where its entry lives and how long it is fresh."""
+    configmap: str
+    key: str
+    max_age: float
+
+    @classmethod
+    def of(cls, template: dict, template_name: str, scope: dict) -> "Memo | None":
+        spec = template.get("memoize")
+        if not spec:
+            return None
+        where = f"spec.templates[{template_name}].memoize"
+        key = check_key(substitute(spec["key"], scope, f"{where}.key"), f"{where}.key")
+        max_age = duration_seconds(spec["maxAge"], f"{where}.maxAge") if spec.get("maxAge") \
+            else DEFAULT_MAX_AGE_S
+        return cls(spec["cache"]["configMap"]["name"], key, max_age)
 
 
 def _uri(bucket: str, configmap: str, key: str) -> str:

@@ -10,42 +10,18 @@ What Argo does, and what this does in its place:
   ``depends`` is false is Omitted, one whose ``when`` is false is Skipped. After a failure
   no new task starts unless the DAG sets ``failFast: false``. The run fails when any node
   fails or errors.
-- **Artifacts.** Keys follow the artifact repository's keyFormat (default
-  ``{{workflow.name}}/{{pod.name}}``) as described in :mod:`workflows.local.transfer`.
-  Inputs are downloaded into ``<run>/<pod>/<container path>`` before the step, outputs
-  uploaded after it exits 0; container paths in the command are remapped there.
-- **Parameters.** Output parameters are read from ``valueFrom.path`` with one trailing
-  newline removed, as Argo's executor does.
-- **Env.** The template's ``env``, with references resolved from a local store that stands
-  in for the cluster's objects: a ``secretKeyRef`` from ``secrets`` or, for the S3
-  credentials, the run's own S3; a ``configMapKeyRef`` from ``configmaps`` or, for
-  ``AWS_ENDPOINT_URL``, the run's S3; an optional reference with no value is left unset. A
-  template that receives S3 credentials talks to the run's S3 (endpoint and region), since
-  locally that is the object store. The ``subprocess`` executor adds this machine's
-  environment minus every ``AWS_*`` variable; a container gets the template's env alone.
-- **Executors.** ``subprocess`` runs the command here with container paths remapped under
-  the pod directory; ``podman`` and ``docker`` run the template in its image as its pod
-  runs (:mod:`workflows.local.pods`).
-- **Retries.** ``retryStrategy.limit`` more attempts, each a fresh pod directory, after
-  ``backoff.duration * factor**n`` (capped by ``cap``, multiplied by ``backoff_scale``).
-  ``backoff.maxDuration`` is a deadline from the first attempt's start, as Argo's
-  ``processNodeRetries`` keeps it: no retry once it has passed ("Max duration limit
-  exceeded") or when the wait would pass it, and an attempt after the first is killed when
-  it passes (the wait container's ``ARGO_DEADLINE``). ``retryPolicy``: Always retries
-  failures and errors, OnFailure (the default) a non-zero exit, OnError/OnTransientError an
-  error of the runner (artifact transfer, missing output). An ``expression`` over
-  ``lastRetry.*`` must also hold; ``lastRetry.exitCode`` is ``-1`` for an attempt whose
-  step never ran (an input that failed to load), as in ``buildRetryStrategyLocalScope``.
+- **A pod.** Each attempt runs as :mod:`workflows.local.lifecycle` describes (inputs in,
+  the step as a process or in its image, outputs out), with artifact keys following the
+  artifact repository's keyFormat (:mod:`workflows.local.transfer`).
+- **Retries.** As :mod:`workflows.local.retries` describes; each attempt is a fresh pod
+  directory, and waits are multiplied by ``backoff_scale``.
 - **Memoization.** See :mod:`workflows.local.memo`.
-- **Deadlines.** ``timeout`` and ``activeDeadlineSeconds`` of a template, and the
-  Workflow's ``activeDeadlineSeconds``, stop the step process.
+- **Deadlines.** The Workflow's ``activeDeadlineSeconds`` bounds every attempt.
 """
 from __future__ import annotations
 
 import os
 import re
-import secrets as _secrets
-import shutil
 import sys
 import time
 import uuid
@@ -54,101 +30,23 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Mapping, TextIO
 
 from steps.errors import StepError
-from workflows.local import executors, memo, pods, transfer
+from workflows.local import memo, pods, transfer
+from workflows.local.dag import Task, order, pod_name, workflow_name
 from workflows.local.errors import LocalRunError
-from workflows.local.expr import (depends_names, eval_depends, eval_retry, eval_when,
-                                  substitute)
+from workflows.local.expr import eval_depends, eval_when, substitute
+from workflows.local.lifecycle import Lifecycle
 from workflows.local.results import ArtifactRef, ModelLink, NodeResult, RunResult
-from workflows.local.s3target import S3Target, open_target, process_env
+from workflows.local.retries import RetryPlan
+from workflows.local.s3target import open_target, process_env
 from workflows.local.spec import check_workflow, template_map
 
 EXECUTORS = ("subprocess", *pods.ENGINES)
-NAME_SUFFIX_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"   # Kubernetes' generateName alphabet
 DEFAULT_BUCKET = "unet-artifacts"
 ECHO_STDERR = object()   # the default for run_workflow(echo=): sys.stderr at call time
-CREDENTIAL_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 _FROM = re.compile(r"^\{\{\s*tasks\.([\w\-]+)\.outputs\.artifacts\.([\w\-]+)\s*\}\}$")
-_TASK_REF = re.compile(r"\{\{\s*tasks\.([\w\-]+)\.")
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
-_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60,
-                   "h": 3600}
-_MAX_POD_PREFIX = 253 - 10 - 1
-
-
-# ---- names ----------------------------------------------------------------------------------
-def fnv1a_32(text: str) -> int:
-    value = 0x811C9DC5
-    for byte in text.encode():
-        value = ((value ^ byte) * 0x01000193) & 0xFFFFFFFF
-    return value
-
-
-def pod_name(workflow_name: str, node_name: str, template_name: str) -> str:
-    """Argo's v2 pod name (``workflow/util/pod_name.go``)."""
-    if workflow_name == node_name:
-        return workflow_name
-    prefix = f"{workflow_name}-{template_name}" if template_name else workflow_name
-    return f"{prefix[:_MAX_POD_PREFIX]}-{fnv1a_32(node_name)}"
-
-
-def workflow_name(metadata: Mapping[str, Any]) -> str:
-    if metadata.get("name"):
-        return metadata["name"]
-    suffix = "".join(_secrets.choice(NAME_SUFFIX_ALPHABET) for _ in range(5))
-    return f"{metadata['generateName']}{suffix}"
-
-
-def duration_seconds(value: Any, where: str) -> float:
-    """A Go duration (``30s``, ``1h30m``) or a number of seconds."""
-    text = str(value).strip()
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    parts = _DURATION.findall(text)
-    if not parts or "".join(n + u for n, u in parts) != text:
-        raise LocalRunError(f"{where}: {value!r} is not a duration (e.g. 30s, 10m, 720h)")
-    return sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
 
 
 # ---- the run --------------------------------------------------------------------------------
-class _Task:
-    def __init__(self, spec: dict, templates: dict[str, dict], where: str):
-        self.name: str = spec["name"]
-        self.spec = spec
-        self.where = where
-        self.template_name: str = spec["template"]
-        self.template = templates[self.template_name]
-        deps = spec.get("dependencies") or []
-        self.depends: str | None = spec.get("depends") or (" && ".join(deps) or None)
-        self.upstream = depends_names(self.depends, f"{where}.depends") if self.depends else []
-        self.ancestors: set[str] = set()
-
-
-def _order(tasks: dict[str, _Task]) -> list[_Task]:
-    """Topological order, stable in declaration order; refuses cycles and unknown names."""
-    for task in tasks.values():
-        for name in task.upstream:
-            if name not in tasks:
-                raise LocalRunError(f"{task.where}.depends: unknown task {name!r}")
-    done: list[_Task] = []
-    pending = list(tasks.values())
-    while pending:
-        ready = [t for t in pending if all(u in {d.name for d in done} for u in t.upstream)]
-        if not ready:
-            raise LocalRunError(f"dag: dependency cycle among {[t.name for t in pending]}")
-        done.append(ready[0])
-        pending.remove(ready[0])
-    for task in done:  # as Argo validates: tasks.X only for X among the task's ancestors
-        task.ancestors = set(task.upstream).union(*(tasks[u].ancestors for u in task.upstream))
-        text = str(task.spec.get("arguments") or {}) + str(task.spec.get("when") or "")
-        for name in _TASK_REF.findall(text):
-            if name not in task.ancestors:
-                raise LocalRunError(f"{task.where}.arguments: uses tasks.{name}, which is not "
-                                    "among the tasks it depends on")
-    return done
-
-
 class LocalRun:
     """One execution of a compiled Workflow; :func:`run_workflow` is the entry point."""
 
@@ -185,15 +83,13 @@ class LocalRun:
         dag = self.templates[self.spec["entrypoint"]]["dag"]
         self.fail_fast = dag.get("failFast", True)
         where = f"spec.templates[{self.spec['entrypoint']}].dag.tasks"
-        self.tasks = {t["name"]: _Task(t, self.templates, f"{where}[{t['name']}]")
+        self.tasks = {t["name"]: Task(t, self.templates, f"{where}[{t['name']}]")
                       for t in dag.get("tasks") or []}
-        self.order = _order(self.tasks)
+        self.order = order(self.tasks)
         self.globals = self._global_scope(parameters or {})
         self._static_check()
-        self.target: S3Target | None = None
+        self.pods: Lifecycle | None = None     # once the run's S3 is open
         self.nodes: dict[str, NodeResult] = {}
-        self.paths: dict[tuple[str, str], str] = {}   # (task, artifact) → container path
-        self.deadline: float | None = None
         self._noted: set[str] = set()
 
     # -- scopes ---------------------------------------------------------------------------
@@ -301,15 +197,18 @@ class LocalRun:
     # -- the whole run --------------------------------------------------------------------
     def run(self) -> RunResult:
         start = time.monotonic()
-        if self.spec.get("activeDeadlineSeconds"):
-            self.deadline = start + float(self.spec["activeDeadlineSeconds"])
         result = RunResult(self.name, run_dir=str(self.root), bucket=self.bucket)
         for text in _grouped(self.notes):
             self.note(text)
         self.log(f"workflow {self.name}: {len(self.order)} tasks, executor {self.executor}")
         with open_target(self.env, self.bucket, self.run_dir, self.log) as target, \
                 process_env(target):
-            self.target = target
+            self.pods = Lifecycle(
+                self.name, self.spec, self.globals, self.root, self.env, self.bucket, target,
+                self.secrets, self.configmaps, self.key_format, self.engine, self.echo,
+                self.container.get("network", "host"), self.log, self.note,
+                deadline=start + float(self.spec["activeDeadlineSeconds"])
+                if self.spec.get("activeDeadlineSeconds") else None)
             result.endpoint = target.endpoint
             self._run_dag()
             result.nodes = [self.nodes[t.name] for t in self.order]
@@ -350,7 +249,7 @@ class LocalRun:
                 stopped = f"{task.name} {node.phase}"
 
     # -- one task -------------------------------------------------------------------------
-    def _run_task(self, task: _Task) -> NodeResult:
+    def _run_task(self, task: Task) -> NodeResult:
         node = NodeResult(task.name, task.template_name)
         start = time.monotonic()
         try:
@@ -361,12 +260,12 @@ class LocalRun:
                 if node.phase == "Succeeded":
                     self._memo_save(task, inputs, node)
         except StepError as exc:
-            node.phase, node.message = "Error", self._scrub(str(exc))
+            node.phase, node.message = "Error", self.pods.scrub(str(exc))
             self.log(f"{task.name}: Error: {node.message}")
         node.seconds = time.monotonic() - start
         return node
 
-    def _inputs(self, task: _Task) -> tuple[dict[str, str], dict[str, ArtifactRef | str]]:
+    def _inputs(self, task: Task) -> tuple[dict[str, str], dict[str, ArtifactRef | str]]:
         """The template's input parameters and artifacts (a ref, or raw data as text)."""
         where = task.where
         scope = self._dag_scope()
@@ -424,371 +323,81 @@ class LocalRun:
         return None
 
     # -- memoization ----------------------------------------------------------------------
-    def _memo(self, task: _Task, inputs: dict[str, str]) -> tuple[str, str, float] | None:
-        spec = task.template.get("memoize")
-        if not spec:
-            return None
-        where = f"spec.templates[{task.template_name}].memoize"
-        scope = {**self.globals, **{f"inputs.parameters.{k}": v for k, v in inputs.items()}}
-        key = memo.check_key(substitute(spec["key"], scope, f"{where}.key"), f"{where}.key")
-        max_age = duration_seconds(spec["maxAge"], f"{where}.maxAge") if spec.get("maxAge") \
-            else memo.DEFAULT_MAX_AGE_S
-        return spec["cache"]["configMap"]["name"], key, max_age
+    def _memo(self, task: Task, inputs: dict[str, str]) -> memo.Memo | None:
+        return memo.Memo.of(task.template, task.template_name, self._input_scope(inputs))
 
-    def _memo_load(self, task: _Task, inputs: dict[str, str], node: NodeResult) -> dict | None:
-        memo_spec = self._memo(task, inputs)
-        if memo_spec is None:
+    def _input_scope(self, inputs: dict[str, str]) -> dict[str, str]:
+        return {**self.globals, **{f"inputs.parameters.{k}": v for k, v in inputs.items()}}
+
+    def _memo_load(self, task: Task, inputs: dict[str, str], node: NodeResult) -> dict | None:
+        spec = self._memo(task, inputs)
+        if spec is None:
             return None
-        configmap, key, max_age = memo_spec
-        hit = memo.load(self.bucket, configmap, key, max_age)
+        hit = memo.load(self.bucket, spec.configmap, spec.key, spec.max_age)
         if hit is None:
-            self.log(f"{task.name}: memoization miss ({configmap}/{key})")
+            self.log(f"{task.name}: memoization miss ({spec.configmap}/{spec.key})")
             return None
         node.phase, node.memoized = "Succeeded", True
         node.parameters, node.artifacts = dict(hit["parameters"]), dict(hit["artifacts"])
-        node.message = f"memoized: {configmap}/{key}"
-        self.log(f"{task.name}: Succeeded from cache ({configmap}/{key}), not run")
+        node.message = f"memoized: {spec.configmap}/{spec.key}"
+        self.log(f"{task.name}: Succeeded from cache ({spec.configmap}/{spec.key}), not run")
         self._log_outputs(node)
         return hit
 
-    def _memo_save(self, task: _Task, inputs: dict[str, str], node: NodeResult) -> None:
-        memo_spec = self._memo(task, inputs)
-        if memo_spec is not None:
-            configmap, key, _ = memo_spec
-            memo.save(self.bucket, configmap, key, f"{self.name}.{task.name}",
+    def _memo_save(self, task: Task, inputs: dict[str, str], node: NodeResult) -> None:
+        spec = self._memo(task, inputs)
+        if spec is not None:
+            memo.save(self.bucket, spec.configmap, spec.key, f"{self.name}.{task.name}",
                       node.parameters, node.artifacts)
 
     # -- attempts -------------------------------------------------------------------------
-    def _retry_plan(self, task: _Task, inputs: dict[str, str]) -> dict[str, Any]:
-        spec = task.template.get("retryStrategy")
-        where = f"spec.templates[{task.template_name}].retryStrategy"
-        if spec is None:
-            return {"limit": 0, "retrying": False}
-        scope = {**self.globals, **{f"inputs.parameters.{k}": v for k, v in inputs.items()}}
-        raw = substitute(str(spec.get("limit", 0)), scope, f"{where}.limit")
-        try:
-            limit = int(raw)
-        except ValueError:
-            raise LocalRunError(f"{where}.limit: {raw!r} is not an integer") from None
-        backoff = spec.get("backoff") or {}
-        policy = spec.get("retryPolicy") or ("Always" if spec.get("expression") else "OnFailure")
-        get = lambda k: duration_seconds(backoff[k], f"{where}.backoff.{k}") \
-            if k in backoff else None  # noqa: E731
-        return {"limit": max(limit, 0), "retrying": True, "policy": policy,
-                "expression": spec.get("expression"), "where": where,
-                "duration": get("duration") or 0.0, "cap": get("cap"),
-                "max_duration": get("maxDuration"),
-                "factor": float(backoff.get("factor", 1) or 1)}
-
-    def _attempts(self, task: _Task, inputs: dict[str, str],
+    def _attempts(self, task: Task, inputs: dict[str, str],
                   artifacts: dict[str, ArtifactRef | str], node: NodeResult) -> None:
-        plan = self._retry_plan(task, inputs)
+        plan = RetryPlan.of(task.template, task.template_name, self._input_scope(inputs))
         first = time.monotonic()
         # Argo: the StartedAt of attempt (0) plus maxDuration (operator.go processNodeRetries)
-        cutoff = first + plan["max_duration"] if plan.get("max_duration") else None
-        for attempt in range(plan["limit"] + 1):
-            node_name = f"{self.name}.{task.name}" + (f"({attempt})" if plan["retrying"] else "")
+        cutoff = first + plan.max_duration if plan.max_duration else None
+        for attempt in range(plan.limit + 1):
+            node_name = f"{self.name}.{task.name}" + (f"({attempt})" if plan.retrying else "")
             node.pod_name = pod_name(self.name, node_name, task.template_name)
             node.attempts = attempt + 1
-            total = plan["limit"] + 1
-            self.log(f"{task.name}: Running (pod {node.pod_name}, attempt {attempt + 1}/{total})")
-            exit_code = self._attempt(task, inputs, artifacts, node, node_name, attempt,
-                                      cutoff if attempt else None)
+            self.log(f"{task.name}: Running (pod {node.pod_name}, attempt {attempt + 1}/"
+                     f"{plan.limit + 1})")
+            exit_code = self.pods.attempt(task, inputs, artifacts, node, node_name, attempt,
+                                          cutoff if attempt else None)
             if node.phase == "Succeeded":
                 self.log(f"{task.name}: Succeeded in {time.monotonic() - first:.1f} s "
                          f"(the step itself {node.step_seconds:.1f} s)")
                 self._log_outputs(node)
                 return
             self.log(f"{task.name}: {node.phase}: {node.message}")
-            if attempt == plan["limit"] or not self._should_retry(plan, node, exit_code):
+            if attempt == plan.limit or not plan.allows(node, exit_code):
                 return
-            wait = plan["duration"] * plan["factor"] ** attempt
-            if plan["cap"] is not None:
-                wait = min(wait, plan["cap"])
-            if cutoff is not None and time.monotonic() >= cutoff:
-                node.message += "; Max duration limit exceeded"
-                self.log(f"{task.name}: not retried: Max duration limit exceeded "
-                         f"(backoff maxDuration {plan['max_duration']:.0f} s)")
-                return
-            if cutoff is not None and time.monotonic() + wait > cutoff:
-                node.message += "; Backoff would exceed max duration limit"
-                self.log(f"{task.name}: not retried: Backoff would exceed max duration limit "
-                         f"(backoff maxDuration {plan['max_duration']:.0f} s)")
+            wait = plan.wait(attempt)
+            late = self._past_cutoff(cutoff, wait)
+            if late:
+                node.message += f"; {late}"
+                self.log(f"{task.name}: not retried: {late} (backoff maxDuration "
+                         f"{plan.max_duration:.0f} s)")
                 return
             wait *= self.backoff_scale
             self.log(f"{task.name}: retrying in {wait:.1f} s")
             time.sleep(wait)
 
-    def _should_retry(self, plan: dict, node: NodeResult, exit_code: int | None) -> bool:
-        policy = plan["policy"]
-        ok = (policy == "Always" or (policy == "OnFailure" and node.phase == "Failed")
-              or (policy in ("OnError", "OnTransientError") and node.phase == "Error"))
-        if ok and plan["expression"]:
-            last = {"exitCode": "-1" if exit_code is None else str(exit_code),
-                    "status": node.phase, "message": node.message,
-                    "duration": f"{node.seconds:.0f}"}
-            ok = eval_retry(plan["expression"], last, f"{plan['where']}.expression")
-        return ok
-
-    def _attempt(self, task: _Task, inputs: dict[str, str],
-                 artifacts: dict[str, ArtifactRef | str], node: NodeResult,
-                 node_name: str, attempt: int, cutoff: float | None) -> int | None:
-        """One pod's worth: inputs in, the step, outputs out. Sets node.phase; returns rc
-        (None when the step never ran). ``cutoff``: the retry deadline (monotonic)."""
-        pod_dir = self.root / node.pod_name
-        if pod_dir.exists():
-            shutil.rmtree(pod_dir)
-        pod_dir.mkdir(parents=True)
-        node.log_path = str(pod_dir / "main.log")
-        try:
-            plan = self._plan(task, inputs, node, node_name, attempt, pod_dir, cutoff)
-            for name, ref in artifacts.items():
-                dest = plan["host"](plan["inputs"][name])
-                if isinstance(ref, str):
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    dest.write_text(ref)
-                else:
-                    try:
-                        transfer.download_input(ref, dest)
-                    except StepError as exc:  # Argo's init container: the node is an Error
-                        raise LocalRunError(f"artifact {name} failed to load: {exc}") from None
-                    self.log(f"{task.name}:   {name} ← {ref.uri}")
-            if self.engine is None:
-                outcome = executors.run(plan["launch"], self.echo)
-            else:
-                outcome = pods.run(self.engine, plan["pod"], plan["host"], pod_dir / "main.log",
-                                   plan["timeout"], self.echo)
-        except StepError as exc:
-            node.phase, node.message = "Error", self._scrub(str(exc))
-            return None
-        node.step_seconds += outcome.seconds
-        if outcome.timed_out:
-            why = ("Step exceeded its deadline (retry maxDuration)"
-                   if cutoff is not None and time.monotonic() >= cutoff else "timed out")
-            node.phase, node.message = "Failed", f"{why} after {outcome.seconds:.0f} s"
-            return outcome.returncode
-        if outcome.returncode != 0:
-            node.phase = "Failed"
-            node.message = f"exit code {outcome.returncode} (log: {node.log_path})"
-            return outcome.returncode
-        try:
-            self._collect(task, node, plan)
-        except StepError as exc:
-            node.phase, node.message = "Error", self._scrub(str(exc))
-            return 0
-        node.phase, node.message = "Succeeded", ""
-        return 0
-
-    def _plan(self, task: _Task, inputs: dict[str, str], node: NodeResult, node_name: str,
-              attempt: int, pod_dir: Path, cutoff: float | None) -> dict[str, Any]:
-        """Resolve the template for one attempt: container paths, command, env, launch.
-        Its deadline runs from here, as a pod's does from its start (inputs included)."""
-        tname = task.template_name
-        where = f"spec.templates[{tname}]"
-        template = task.template
-        scope = {**self.globals, **{f"inputs.parameters.{k}": v for k, v in inputs.items()},
-                 "pod.name": node.pod_name, "node.name": node_name, "retries": str(attempt)}
-        paths = self._container_paths(template, scope, where)
-        host = lambda p: pod_dir / p.lstrip("/")  # noqa: E731
-        in_image = self.engine is not None
-        local = {k: (v if in_image else str(host(v))) for k, v in paths["scope"].items()}
-        scope.update(local)
-        container = template["container"]
-        command, args = container.get("command") or [], container.get("args") or []
-        if not in_image:  # literal container paths first; placeholders resolve to host paths
-            known = sorted(paths["all"], key=len, reverse=True)
-            command, args = (self._remap(x, known, host) for x in (command, args))
-        command = substitute(command, scope, f"{where}.container.command")
-        args = substitute(args, scope, f"{where}.container.args")
-        if not in_image:  # a container's outputs are copied out of it after the step
-            for path in paths["outputs"].values():
-                host(path).parent.mkdir(parents=True, exist_ok=True)
-        env = self._env(template, scope, where)
-        key_prefix = substitute(self.key_format, scope, "artifact repository keyFormat")
-        plan = {"host": host, "inputs": paths["inputs"], "outputs": paths["outputs"],
-                "params": paths["params"], "scope": scope, "key_prefix": key_prefix,
-                "timeout": self._timeout(template, scope, where, cutoff)}
-        if in_image:
-            plan["pod"] = self._pod(template, scope, command, args, env, paths, host, where)
-            stale = self.engine.stale(plan["pod"].image)
-            if stale:
-                self.note(stale)
-        else:
-            base = {k: v for k, v in self.env.items() if not k.startswith("AWS_")}
-            plan["launch"] = executors.Launch(
-                executors.subprocess_argv(command + args),
-                executors.with_project_path({**base, **env}), pod_dir, pod_dir / "main.log",
-                plan["timeout"])
-        return plan
-
-    def _container_paths(self, template: dict, scope: dict, where: str) -> dict[str, Any]:
-        """Container paths of input/output artifacts and output parameters, resolved."""
-        inputs = {a["name"]: substitute(a["path"], scope, f"{where}.inputs.artifacts"
-                                                          f"[{a['name']}].path")
-                  for a in (template.get("inputs") or {}).get("artifacts") or []}
-        outs = {a["name"]: a["path"] for a in (template.get("outputs") or {}).get("artifacts")
-                or []}
-        view = {**scope, **{f"inputs.artifacts.{k}.path": v for k, v in inputs.items()}}
-        for _ in range(len(outs) + 1):  # output paths may refer to each other
-            view.update({f"outputs.artifacts.{k}.path": v for k, v in outs.items()})
-            pending = {k: v for k, v in outs.items() if "{{" in v}
-            if not pending:
-                break
-            for k, v in pending.items():
-                refs = re.findall(r"\{\{\s*outputs\.artifacts\.([\w\-]+)\.path\s*\}\}", v)
-                if all("{{" not in outs.get(r, "") for r in refs):
-                    outs[k] = substitute(v, view, f"{where}.outputs.artifacts[{k}].path")
-        view.update({f"outputs.artifacts.{k}.path": v for k, v in outs.items()})
-        params = {p["name"]: substitute(p["valueFrom"]["path"], view,
-                                        f"{where}.outputs.parameters[{p['name']}].valueFrom.path")
-                  for p in (template.get("outputs") or {}).get("parameters") or []}
-        for kind, table in (("inputs.artifacts", inputs), ("outputs.artifacts", outs),
-                            ("outputs.parameters", params)):
-            for name, path in table.items():
-                if not PurePosixPath(path).is_absolute() or ".." in PurePosixPath(path).parts:
-                    raise LocalRunError(f"{where}.{kind}[{name}].path: {path!r} is not an "
-                                        "absolute container path")
-        path_scope = {**{f"inputs.artifacts.{k}.path": v for k, v in inputs.items()},
-                      **{f"outputs.artifacts.{k}.path": v for k, v in outs.items()},
-                      **{f"outputs.parameters.{k}.path": v for k, v in params.items()}}
-        return {"inputs": inputs, "outputs": outs, "params": params, "scope": path_scope,
-                "all": [*inputs.values(), *outs.values(), *params.values()]}
-
     @staticmethod
-    def _remap(items: list[str], known: list[str], host: Callable[[str], Path]) -> list[str]:
-        """Literal container paths in a command (``/data/raw``, ``--x=/data/raw/a``)."""
-        def one(text: str) -> str:
-            flag, eq, value = text.partition("=") if text.startswith("-") else ("", "", text)
-            for path in known:
-                if value == path or value.startswith(path.rstrip("/") + "/"):
-                    return flag + eq + str(host(path)) + value[len(path):]
-            return text
-        return [one(item) for item in items]
-
-    def _env(self, template: dict, scope: dict, where: str) -> dict[str, str]:
-        """The template's env, references resolved; S3 users get the run's endpoint/region."""
-        env: dict[str, str] = {}
-        for item in template["container"].get("env") or []:
-            name = item["name"]
-            ewhere = f"{where}.container.env[{name}]"
-            if "valueFrom" in item:
-                value = self._reference(name, item["valueFrom"], ewhere)
-                if value is not None:
-                    env[name] = value
-            else:
-                env[name] = substitute(str(item.get("value", "")), scope, ewhere)
-        if any(name in env for name in CREDENTIAL_VARS):
-            env.pop("AWS_ENDPOINT_URL_S3", None)
-            env.update(AWS_ENDPOINT_URL=self.target.endpoint, AWS_REGION=self.target.region)
-            self.note(f"{where}: receives S3 credentials, so its AWS_ENDPOINT_URL and "
-                      "AWS_REGION point at this run's S3")
-        return env
-
-    def _reference(self, env_name: str, source: dict, where: str) -> str | None:
-        """A secretKeyRef or configMapKeyRef from the local store; the run's S3 stands in for
-        the cluster's credentials Secret and storage ConfigMap."""
-        if "secretKeyRef" in source:
-            kind, ref, store, arg = "Secret", source["secretKeyRef"], self.secrets, "secrets="
-            own = {"AWS_ACCESS_KEY_ID": self.target.access_key,
-                   "AWS_SECRET_ACCESS_KEY": self.target.secret_key}
-        else:
-            kind, ref, store, arg = ("ConfigMap", source["configMapKeyRef"], self.configmaps,
-                                     "configmaps=")
-            own = {"AWS_ENDPOINT_URL": self.target.endpoint}
-        name, key = ref.get("name", ""), ref.get("key", "")
-        if key in (store.get(name) or {}):
-            return str(store[name][key])
-        if env_name in own:
-            return own[env_name]
-        if ref.get("optional"):
-            return None
-        raise LocalRunError(f"{where}: {kind} {name!r} key {key!r} has no local value "
-                            f"(pass it in {arg})")
-
-    def _pod(self, template: dict, scope: dict, command: list[str], args: list[str],
-             env: dict[str, str], paths: dict, host, where: str) -> pods.Pod:
-        container = template["container"]
-        limits = {**((container.get("resources") or {}).get("requests") or {}),
-                  **((container.get("resources") or {}).get("limits") or {})}
-        user, groups = pods.security(self.spec, template, where)
-        optional = {paths["outputs"][a["name"]] for a in (template.get("outputs") or {}).get(
-            "artifacts") or [] if a.get("optional")}
-        return pods.Pod(
-            name=scope["pod.name"],
-            image=substitute(container["image"], scope, f"{where}.container.image"),
-            pull_policy=container.get("imagePullPolicy", "IfNotPresent"),
-            command=command, args=args, env=env,
-            volumes=pods.volumes(self.spec, template, where),
-            inputs={path: host(path) for path in paths["inputs"].values()},
-            outputs=[*paths["outputs"].values(), *paths["params"].values()],
-            optional_outputs=optional, user=user, groups=groups,
-            workdir=container.get("workingDir"),
-            gpus=int(limits.get("nvidia.com/gpu", 0) or 0),
-            hpus=int(limits.get("habana.ai/gaudi", 0) or 0),
-            network=self.container.get("network", "host"))
-
-    def _timeout(self, template: dict, scope: dict, where: str,
-                 cutoff: float | None) -> float | None:
-        """Seconds this attempt may run: its template's deadlines, the Workflow's, and the
-        retry deadline ``cutoff`` (monotonic) when one applies to it."""
-        limits = []
-        if template.get("timeout"):
-            limits.append(duration_seconds(substitute(str(template["timeout"]), scope,
-                                                      f"{where}.timeout"), f"{where}.timeout"))
-        if template.get("activeDeadlineSeconds"):
-            limits.append(duration_seconds(template["activeDeadlineSeconds"],
-                                           f"{where}.activeDeadlineSeconds"))
-        for until in (self.deadline, cutoff):
-            if until is not None:
-                limits.append(max(until - time.monotonic(), 0.001))
-        return min(limits) if limits else None
-
-    def _collect(self, task: _Task, node: NodeResult, plan: dict) -> None:
-        """Upload the output artifacts and read the output parameters."""
-        host = plan["host"]
-        template = task.template
-        for spec in (template.get("outputs") or {}).get("artifacts") or []:
-            name = spec["name"]
-            local = host(plan["outputs"][name])
-            if not local.exists():
-                if spec.get("optional"):
-                    continue
-                raise LocalRunError(f"output artifact {name!r}: {plan['outputs'][name]} was "
-                                    "not written by the step")
-            explicit = (spec.get("s3") or {}).get("key")
-            if explicit:
-                explicit = substitute(explicit, plan["scope"],
-                                      f"spec.templates[{task.template_name}].outputs"
-                                      f".artifacts[{name}].s3.key")
-            key = transfer.output_key({**spec, "path": plan["outputs"][name]},
-                                      plan["key_prefix"], explicit)
-            node.artifacts[name] = transfer.upload_output(spec, local, self.bucket, key)
-            self.paths[(task.name, name)] = plan["outputs"][name]
-        for spec in (template.get("outputs") or {}).get("parameters") or []:
-            name = spec["name"]
-            path = host(plan["params"][name])
-            if path.is_file():
-                text = path.read_text(errors="replace")
-                node.parameters[name] = text[:-1] if text.endswith("\n") else text
-            elif "default" in spec["valueFrom"]:
-                node.parameters[name] = str(spec["valueFrom"]["default"])
-            else:
-                raise LocalRunError(f"output parameter {name!r}: {plan['params'][name]} was "
-                                    "not written by the step")
+    def _past_cutoff(cutoff: float | None, wait: float) -> str:
+        """Argo's two refusals of a retry past ``maxDuration`` (empty: no refusal)."""
+        if cutoff is not None and time.monotonic() >= cutoff:
+            return "Max duration limit exceeded"
+        if cutoff is not None and time.monotonic() + wait > cutoff:
+            return "Backoff would exceed max duration limit"
+        return ""
 
     def _log_outputs(self, node: NodeResult) -> None:
         for name, ref in node.artifacts.items():
             self.log(f"{node.task}:   {name} → {ref.uri}")
         for name, value in node.parameters.items():
             self.log(f"{node.task}:   {name} = {value}")
-
-    def _scrub(self, text: str) -> str:
-        secrets = [self.target.secret_key] if self.target else []
-        secrets += [str(v) for keys in self.secrets.values() for v in keys.values()]
-        for secret in secrets:
-            if secret:
-                text = text.replace(secret, "***")
-        return " ".join(text.split())
 
     # -- the end of a run -----------------------------------------------------------------
     def _leaves(self) -> list[NodeResult]:
@@ -809,16 +418,17 @@ class LocalRun:
                 for key in keys:
                     if any(m.uri.endswith("/" + key) for m in result.models):
                         continue
-                    url = "" if self.target.embedded else self.target.presign(key)
-                    result.models.append(ModelLink(self.target.uri(key), url))
+                    target = self.pods.target
+                    url = "" if target.embedded else target.presign(key)
+                    result.models.append(ModelLink(target.uri(key), url))
         # Stable keys (an explicit s3.key, outside <workflow>/) before per-pod copies.
-        result.models.sort(key=lambda m: m.uri.startswith(self.target.uri(self.name + "/")))
+        result.models.sort(key=lambda m: m.uri.startswith(self.pods.target.uri(self.name + "/")))
         if self.output_dir is None:
             return
         copied: list[str] = []
         for node in self._leaves():
             for name, ref in node.artifacts.items():
-                path = self.paths.get((node.task, name), "")
+                path = self.pods.paths.get((node.task, name), "")
                 if path and any(PurePosixPath(path).is_relative_to(c) for c in copied):
                     continue  # the same files as an artifact already copied
                 label = name if name not in result.outputs else f"{node.task}-{name}"

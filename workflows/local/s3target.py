@@ -58,10 +58,19 @@ class S3Target:
             client.make_bucket(self.bucket)
             return True
         except (MinioException, OSError) as exc:
-            if getattr(exc, "code", None) == "BucketAlreadyOwnedByYou":  # a concurrent run's
+            # A concurrent run's creation: either the server says so, or (SeaweedFS, seen
+            # under six racing creators) it answers NoSuchBucket and the bucket exists after.
+            if getattr(exc, "code", None) == "BucketAlreadyOwnedByYou" or self._exists(client):
                 return False
             raise LocalRunError(f"artifact bucket {self.bucket!r} at {self.endpoint}: "
                                 f"{type(exc).__name__}: {_scrub(str(exc), self)}") from None
+
+    def _exists(self, client) -> bool:
+        from minio.error import MinioException
+        try:
+            return client.bucket_exists(self.bucket)
+        except (MinioException, OSError):
+            return False
 
     def presign(self, key: str, days: int = 7) -> str:
         return self.minio().presigned_get_object(self.bucket, key, expires=timedelta(days=days))

@@ -25,9 +25,27 @@ templates. :func:`check_workflow` walks every key before anything runs:
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Iterable, Mapping
 
 from workflows.local.errors import LocalRunError
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60,
+                   "h": 3600}
+
+
+def duration_seconds(value: Any, where: str) -> float:
+    """A Go duration (``30s``, ``1h30m``) or a number of seconds."""
+    text = str(value).strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    parts = _DURATION.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise LocalRunError(f"{where}: {value!r} is not a duration (e.g. 30s, 10m, 720h)")
+    return sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
 
 SHM = "/dev/shm"
 

@@ -1,0 +1,230 @@
+"""Every step parameter, stated once: name, type, default, bounds and help.
+
+A step's command line (:func:`add_arguments`), the pipeline config's section of the same
+name (``workflows.config``), the Argo templates' inputs and the workflow parameters with
+their UI descriptions and enums (``workflows.templates``) are all derived from the tuples
+below, so a user running a step by hand gets what the workflow runs. Flags that only wire a
+step to its surroundings (``--raw DIR``, ``--checkpoint-uri``, ``--nodes``) are not
+parameters and stay with their step.
+
+This module imports nothing heavy: the config and the workflow compile without torch.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from steps import uris
+
+DEVICE_KINDS = ("auto", "hpu", "cuda", "cpu")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+HPU_MODES = ("compile", "lazy", "eager")
+OPTIMIZERS = ("adamw", "fusedadamw", "sgd")
+N_FOLDS = 5
+OUTPUTS_DIR = "argo-outputs"   # under an output artifact: one small text file per value
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter. ``name`` is the config key; the flag and the Argo name use dashes."""
+    name: str
+    type: type                      # int, float, str or bool
+    default: Any                    # None: required
+    help: str
+    choices: tuple[str, ...] = ()
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    pattern: str | None = None      # a full match for str values
+    uri_kinds: tuple[str, ...] = ()  # a URI read by steps.uris with these schemes
+    ui: bool = False                # a workflow parameter (the Argo UI's submit form)
+    shapes_output: bool = True      # False: cannot change a byte of the output (memo key)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.dashed
+
+    @property
+    def dashed(self) -> str:
+        return self.name.replace("_", "-")
+
+    def text(self, value: Any) -> str:
+        """``value`` as one command-line word: ``true``/``false``, floats as ``%g``."""
+        if isinstance(value, bool):
+            return str(value).lower()
+        if isinstance(value, float):
+            return f"{value:g}"
+        return str(value)
+
+    def problem(self, value: Any) -> str | None:
+        """What is wrong with a typed ``value``, or None."""
+        if self.choices and value not in self.choices:
+            return f"must be one of {', '.join(self.choices)} (got {value!r})"
+        for bound, bad, word in ((self.ge, lambda b: value < b, ">="),
+                                 (self.gt, lambda b: value <= b, ">"),
+                                 (self.le, lambda b: value > b, "<=")):
+            if bound is not None and bad(bound):
+                return f"must be {word} {bound:g} (got {self.text(value)})"
+        if self.pattern and not re.fullmatch(self.pattern, value):
+            return f"must match {self.pattern} (got {value!r})"
+        return None
+
+    def parse(self, text: str) -> Any:
+        """The argparse ``type``: text to a checked value, or ArgumentTypeError."""
+        try:
+            value = _PARSERS[self.type](text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {_TYPE_WORDS[self.type]}, got {text!r}") from None
+        problem = self.problem(value)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+
+def _bool(text: str) -> bool:
+    value = str(text).strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+_PARSERS = {int: int, float: float, str: str, bool: _bool}
+_TYPE_WORDS = {int: "an integer", float: "a number", str: "text", bool: "true or false"}
+
+
+DOWNLOAD = (
+    Param("source", str, None, ui=True, uri_kinds=uris.SOURCE_KINDS,
+          help="dataset source: https:// or http:// (resumed), s3://bucket/key (the public "
+               "msd-for-monai buckets are read anonymously), file:///path to a .tar or an "
+               "extracted task, or synthetic://?cases=N&shape=HxWxD&seed=S&test=M"),
+    Param("md5", str, "auto", ui=True, pattern=r"(auto|[0-9a-f]{32})?",
+          help="md5 of the downloaded archive, checked before extraction; auto: the "
+               "published digest of Task01_BrainTumour.tar; empty: no check"),
+)
+
+PREPROCESS = (
+    Param("workers", int, 1, ge=1, shapes_output=False,
+          help="worker processes, each holding about two volumes; the output is identical "
+               "for any value"),
+    Param("image_dtype", str, "auto", choices=("auto", "float16", "float32"), ui=True,
+          help="dtype of the stored images; auto: float16 (its rounding error is measured "
+               "and recorded), float32 with mode anchor"),
+    Param("mode", str, "default", choices=("default", "anchor"),
+          help="default: keep the whole in-plane foreground, reoriented to RAS+; anchor: "
+               "the anchors' zero pad and centre crop in stored voxel order"),
+    Param("patch_size", str, "192x160", pattern=r"[1-9][0-9]*x[1-9][0-9]*", ui=True,
+          help="training patch HxW in voxels: recorded, and the in-plane pad/crop size"),
+)
+
+TRAIN = (
+    Param("device", str, "auto", choices=DEVICE_KINDS,
+          help="hpu, cuda or cpu; auto picks the first present in that order"),
+    Param("devices", int, 1, ge=1, le=64, ui=True,
+          help="devices per node; more than 1 runs DDP through torch.distributed.run"),
+    Param("precision", str, "auto", choices=PRECISIONS, ui=True,
+          help="autocast dtype; auto: bf16 on hpu, bf16 or fp16 on cuda, fp32 on cpu"),
+    Param("hpu_mode", str, "compile", choices=HPU_MODES,
+          help="Gaudi execution: torch.compile(hpu_backend) with PT_HPU_LAZY_MODE=0, lazy "
+               "mode with mark_step, or eager"),
+    Param("num_workers", int, 2, ge=0,
+          help="DataLoader worker processes building batches (0: in process)"),
+    Param("base_filters", int, 32, ge=1,
+          help="filters of the first level (the anchors: 32), doubled per level"),
+    Param("levels", int, 6, ge=2, le=8,
+          help="U-Net levels (the anchors: 6), at least 4 with deep supervision; H and W "
+               "must be multiples of 2**(levels-1)"),
+    Param("norm", str, "instance", choices=("instance", "batch", "group"),
+          help="normalisation layer"),
+    Param("deep_supervision", bool, True,
+          help="train with two extra heads weighted 0.5 and 0.25"),
+    Param("batch_size", int, 64, ge=1, ui=True,
+          help="global batch: 2D slices per step over all devices"),
+    Param("val_batch_size", int, 64, ge=1,
+          help="slices per forward pass during validation, per device"),
+    Param("learning_rate", float, 1e-3, gt=0, le=1, ui=True, help="peak learning rate"),
+    Param("weight_decay", float, 1e-4, ge=0, help="AdamW/SGD weight decay"),
+    Param("optimizer", str, "adamw", choices=OPTIMIZERS, ui=True,
+          help="adamw, sgd, or Habana's FusedAdamW (hpu only)"),
+    Param("min_epochs", int, 1, ge=0, ui=True,
+          help="epochs before early stopping may end training"),
+    Param("max_epochs", int, 100, ge=1, ui=True, help="stop after this many epochs"),
+    Param("patience", int, 10, ge=0,
+          help="stop after this many epochs without a better mean Dice (0: never)"),
+    Param("steps_per_epoch", int, 0, ge=0,
+          help="optimizer steps per epoch; 0: one pass over the training slices"),
+    Param("fold", int, 0, ge=0, le=N_FOLDS - 1, ui=True,
+          help=f"validation fold (0..{N_FOLDS - 1}) of the dataset's split; the dataset "
+               "must have that fold and cases on both sides of it"),
+    Param("seed", int, 1, ge=0, help="seed of initialisation, batches and augmentation"),
+    Param("checkpoint_minutes", float, 10.0, ge=0,
+          help="also checkpoint within an epoch at this interval (0: at epoch ends only)"),
+    Param("resume", str, "auto", choices=("auto", "never"),
+          help="auto continues from the latest checkpoint of this run's checkpoint store"),
+    Param("resume_from", str, "", uri_kinds=uris.CHECKPOINT_KINDS, ui=True,
+          help="checkpoints of an earlier run to start from (resubmit); empty: start fresh"),
+)
+
+CONVERT = (
+    Param("opset", int, 17, ge=17, help="ONNX opset version"),
+    Param("parity_slices", int, 32, ge=32,
+          help="validation slices compared between torch, onnxruntime and the .pt2"),
+)
+
+STEPS = {"download": DOWNLOAD, "preprocess": PREPROCESS, "train": TRAIN, "convert": CONVERT}
+
+# Small results a step writes as OUTPUTS_DIR/<name> for Argo output parameters.
+OUTPUTS = {
+    "train": ("mean_dice", "best_epoch", "img_per_s"),
+    "convert": ("max_abs_diff", "argmax_agreement"),
+}
+
+
+def by_name(params: Iterable[Param]) -> dict[str, Param]:
+    return {p.name: p for p in params}
+
+
+def add_arguments(parser: argparse.ArgumentParser | Any, params: Iterable[Param]) -> None:
+    """One flag per parameter, typed and bounded (a bad value exits 2 in argparse)."""
+    for p in params:
+        kw: dict[str, Any] = {"type": p.parse, "help": p.help}
+        if p.default is None:
+            kw["required"] = True
+        else:
+            kw["default"] = p.default
+        parser.add_argument(p.flag, metavar=p.name.upper() if not p.choices else None,
+                            choices=p.choices or None, **kw)
+
+
+def check_uris(values: Any, params: Iterable[Param]) -> None:
+    """Read every non-empty URI parameter with the one parser (StepError naming the flag)."""
+    for p in params:
+        text = getattr(values, p.name)
+        if p.uri_kinds and text:
+            uris.parse(text, p.flag, p.uri_kinds)
+
+
+def train_relations(values: Any, nodes: int = 1) -> list[tuple[str, str]]:
+    """(parameter, what is wrong) for train parameters that are wrong together."""
+    out = []
+    if values.deep_supervision and values.levels < 4:
+        out.append(("levels", f"must be >= 4 with deep supervision (two extra heads), "
+                              f"got {values.levels}"))
+    if values.min_epochs > values.max_epochs:
+        out.append(("min_epochs", f"must be <= max_epochs ({values.min_epochs} > "
+                                  f"{values.max_epochs})"))
+    if values.batch_size < values.devices * nodes:
+        out.append(("batch_size", f"must be >= devices x nodes, one slice per device "
+                                  f"({values.batch_size} < {values.devices} x {nodes})"))
+    return out
+
+
+def image_dtype(requested: str, mode: str) -> str:
+    """Preprocess's stored dtype: ``auto`` is float32 in anchor mode, else float16."""
+    if requested != "auto":
+        return requested
+    return "float32" if mode == "anchor" else "float16"
