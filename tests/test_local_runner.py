@@ -133,6 +133,8 @@ def test_expressions():
         eval_depends("zz", phases, "x")
     with pytest.raises(LocalRunError, match="not supported"):
         substitute("{{=exec('rm')}}", {}, "args[0]")
+    with pytest.raises(LocalRunError, match="'sprig.env' is not supported"):  # only what we use
+        substitute("{{=sprig.env('HOME')}}", {}, "args[0]")
 
 
 # ---- refusals (no S3: they happen before anything runs) --------------------------------------
