@@ -13,11 +13,12 @@ import traceback
 from pathlib import Path
 
 from benchmarks import (allocator, common, growth, handoff, loader, onnxrt, orchestration,
-                        precision, preprocess, trainstep)
+                        precision, preprocess, quantize, trainstep)
 
 BENCHMARKS = {"preprocess": preprocess, "loader": loader, "train": trainstep,
               "handoff": handoff, "onnx": onnxrt, "orchestration": orchestration,
-              "growth": growth, "allocator": allocator, "precision": precision}
+              "growth": growth, "allocator": allocator, "precision": precision,
+              "quantize": quantize}
 RESULTS = Path(__file__).parent / "results"
 
 

@@ -162,6 +162,15 @@ def run_measured(module: str, args: list[str],
     return wall, int(peaks[-1][len(_PEAK_MARK):])
 
 
+def throughput(fn: Callable, x, runs: int) -> float:
+    """Items per second of ``fn(x)`` over ``runs`` calls after one warm-up call."""
+    fn(x)
+    start = time.perf_counter()
+    for _ in range(runs):
+        fn(x)
+    return runs * x.shape[0] / (time.perf_counter() - start)
+
+
 # ---------------------------------------------------------------------------- synthetic data
 
 def raw_task(settings: Settings, cases: int) -> Path:

@@ -4,17 +4,9 @@ from __future__ import annotations
 
 import time
 
-from benchmarks.common import Row, Settings, in_child
+from benchmarks.common import Row, Settings, in_child, throughput
 
 OPSET = 17
-
-
-def _rate(fn, x, runs: int) -> float:
-    fn(x)
-    start = time.perf_counter()
-    for _ in range(runs):
-        fn(x)
-    return runs * x.shape[0] / (time.perf_counter() - start)
 
 
 def measure(path: str, patch, batch: int, runs: int, filters: int, levels: int) -> dict:
@@ -37,8 +29,8 @@ def measure(path: str, patch, batch: int, runs: int, filters: int, levels: int) 
         with torch.inference_mode():
             return net(t)
 
-    ort_rate = _rate(lambda a: session.run(None, {name: a}), x.numpy(), runs)
-    torch_rate = _rate(eager, x, runs)
+    ort_rate = throughput(lambda a: session.run(None, {name: a}), x.numpy(), runs)
+    torch_rate = throughput(eager, x, runs)
     with torch.inference_mode():
         diff = float(abs(session.run(None, {name: x.numpy()})[0] - net(x).numpy()).max())
     return {"onnxruntime": ort_rate, "torch_eager": torch_rate, "export_s": export_s,

@@ -41,7 +41,7 @@ import numpy as np
 
 from steps.artifacts import manifest_digest, publish, require, write_outputs
 from steps.dataset import fold_names, open_cases, read_metadata
-from steps.errors import OneLineArgumentParser, StepError, run_main
+from steps.errors import StepError, run_main
 from steps import params, predict
 
 STEP = "convert"
@@ -68,19 +68,14 @@ _CHECKPOINT_KEYS = ("model_state", "model_config")
 # ------------------------------------------------------------------------------- CLI
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineArgumentParser(prog="python -m steps.convert",
-                              description=__doc__.split("\n\n")[0],
-                              epilog="Segment one NIfTI case with the exported ONNX model "
-                                     "alone: python -m steps.convert predict --help")
-    p.add_argument("--model", required=True, type=Path, metavar="DIR",
-                   help="input `model` artifact directory (best.pt from steps.train)")
-    p.add_argument("--dataset", required=True, type=Path, metavar="DIR",
-                   help="input `dataset` artifact directory; its validation slices are the "
-                        "parity inputs and its dataset.json the normalisation contract")
-    p.add_argument("--exported", required=True, type=Path, metavar="DIR",
-                   help="output `exported` artifact directory (absent or empty)")
-    params.add_arguments(p, params.CONVERT)
-    return p
+    return params.step_parser(
+        STEP, __doc__,
+        {"model": "best.pt from steps.train",
+         "dataset": "its validation slices are the parity inputs and its dataset.json the "
+                    "normalisation contract"},
+        {"exported": "ONNX, .pt2, parity figures and model card"},
+        epilog="Segment one NIfTI case with the exported ONNX model alone: "
+               "python -m steps.convert predict --help")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

@@ -175,17 +175,53 @@ CONVERT = (
           help="validation slices compared between torch, onnxruntime and the .pt2"),
 )
 
-STEPS = {"download": DOWNLOAD, "preprocess": PREPROCESS, "train": TRAIN, "convert": CONVERT}
+QUANTIZE = (
+    Param("calibration_slices", int, 128, ge=8, le=100_000,
+          help="training-fold slices whose activations set the INT8 ranges"),
+    Param("calibration_seed", int, 0, ge=0, help="seed of the calibration slices' draw"),
+    Param("calibration_method", str, "percentile", choices=("minmax", "entropy", "percentile"),
+          help="how onnxruntime turns calibration activations into ranges (percentile "
+               "99.999 lost the least Dice in measurements, README)"),
+    Param("float_layers", str, "first-last", choices=("first-last", "none"),
+          help="convolutions kept in floating point: the first and the last, or none"),
+)
+
+STEPS = {"download": DOWNLOAD, "preprocess": PREPROCESS, "train": TRAIN, "convert": CONVERT,
+         "quantize": QUANTIZE}
 
 # Small results a step writes as OUTPUTS_DIR/<name> for Argo output parameters.
 OUTPUTS = {
     "train": ("mean_dice", "best_epoch", "img_per_s"),
     "convert": ("max_abs_diff", "argmax_agreement"),
+    "quantize": ("int8_mean_dice", "int8_speedup"),
 }
 
 
 def by_name(params: Iterable[Param]) -> dict[str, Param]:
     return {p.name: p for p in params}
+
+
+def step_parser(step: str, doc: str, reads: dict[str, str], writes: dict[str, str],
+                epilog: str | None = None) -> argparse.ArgumentParser:
+    """A step's command line: its artifact directories, then its parameters from STEPS."""
+    from steps.errors import OneLineArgumentParser
+    parser = OneLineArgumentParser(prog=f"python -m steps.{step}",
+                                   description=doc.split("\n\n")[0], epilog=epilog)
+    add_artifacts(parser, reads, writes)
+    add_arguments(parser, STEPS[step])
+    return parser
+
+
+def add_artifacts(parser: argparse.ArgumentParser, reads: dict[str, str],
+                  writes: dict[str, str]) -> None:
+    """``--<name> DIR`` for each input and output artifact, with what it holds."""
+    from pathlib import Path
+    for name, what in reads.items():
+        parser.add_argument(f"--{name}", required=True, type=Path, metavar="DIR",
+                            help=f"input `{name}` artifact directory: {what}")
+    for name, what in writes.items():
+        parser.add_argument(f"--{name}", required=True, type=Path, metavar="DIR",
+                            help=f"output `{name}` artifact directory (absent or empty): {what}")
 
 
 def add_arguments(parser: argparse.ArgumentParser | Any, params: Iterable[Param]) -> None:
@@ -196,6 +232,7 @@ def add_arguments(parser: argparse.ArgumentParser | Any, params: Iterable[Param]
             kw["required"] = True
         else:
             kw["default"] = p.default
+            kw["help"] += f" (default: {p.text(p.default) or 'empty'})"
         parser.add_argument(p.flag, metavar=p.name.upper() if not p.choices else None,
                             choices=p.choices or None, **kw)
 

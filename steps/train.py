@@ -53,13 +53,12 @@ _CHECKED_ENV = "STEPS_TRAIN_INPUTS_CHECKED"   # set by relaunch: the parent hash
 def build_parser() -> argparse.ArgumentParser:
     """The artifact and wiring flags, then every parameter of ``steps.params.TRAIN``."""
     p = OneLineArgumentParser(prog="python -m steps.train",
-                              description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", required=True, help="input `dataset` artifact directory")
     p.add_argument("--model", required=True, help="output `model` artifact directory (empty)")
     p.add_argument("--nodes", type=int, default=1,
                    help="nodes of a multi-node job, each started by torch.distributed.run "
-                        "(a PyTorchJob); WORLD_SIZE must be nodes x devices")
+                        "(a PyTorchJob); WORLD_SIZE must be nodes x devices (default: 1)")
     p.add_argument("--checkpoint-uri", default="",
                    help="s3://bucket/prefix or a local directory for checkpoints; empty = none")
     params.add_arguments(p.add_argument_group("parameters"), params.TRAIN)

@@ -14,7 +14,7 @@ from benchmarks.common import Row
 pytestmark = pytest.mark.slow  # runs the benchmarks' smoke mode and whole pipelines
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["preprocess", "loader", "train", "handoff", "onnx", "growth"]
+FAST = ["preprocess", "loader", "train", "handoff", "onnx", "growth", "quantize"]
 
 
 def _smoke(names: list[str], tmp_path: Path) -> dict:

@@ -16,9 +16,30 @@ PROFILES = ("fp32_8hpu_training", "bf16_8hpu_training", "cuda_1gpu", "cpu_quick"
 
 def test_base_config_lists_stages_and_profiles():
     cfg = load_config()
-    assert cfg.pipeline.stages == ["download", "preprocess", "train", "convert"]
+    assert cfg.pipeline.stages == ["download", "preprocess", "train", "convert", "quantize"]
     assert set(PROFILES) <= set(cfg.profiles)
     assert cfg.profile == ""
+
+
+def test_quantize_is_the_one_optional_stage():
+    """Without it the DAG has no quantize task and no 'quantize' parameter; stages are
+    never reordered or invented."""
+    doc = render_dict(["pipeline.stages=[download,preprocess,train,convert]"])
+    tasks = [t["name"] for t in doc["spec"]["templates"][-1]["dag"]["tasks"]]
+    assert "quantize" not in tasks
+    assert "quantize" not in {p["name"] for p in doc["spec"]["arguments"]["parameters"]}
+    doc = render_dict([])
+    dag = {t["name"]: t for t in doc["spec"]["templates"][-1]["dag"]["tasks"]}
+    assert dag["quantize"]["when"] == "{{workflow.parameters.quantize}} == true"
+    for bad in ("[download,preprocess,convert,train]", "[download,preprocess,train,quantize]",
+                "[download,preprocess,train,convert,quantize,serve]"):
+        with pytest.raises(ConfigError, match="pipeline.stages"):
+            load_config(overrides=[f"pipeline.stages={bad}"])
+
+
+def render_dict(overrides: list[str]) -> dict:
+    from workflows.unet import build
+    return build(load_config(overrides=overrides)).to_dict()
 
 
 def test_fp32_8hpu_training_is_the_old_pipelines_profile():

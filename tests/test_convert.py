@@ -20,7 +20,7 @@ from steps import convert, download, predict, preprocess
 from steps.artifacts import publish, require
 from steps.dataset import fold_names, open_cases, read_metadata
 from steps.errors import StepError, run_main
-from tests.train_data import REPO, run_step
+from tests.train_data import REPO, assert_ok as _ok, run_step
 
 pytestmark = pytest.mark.slow  # trains a model for its fixture, then exports and runs it
 
@@ -28,10 +28,6 @@ SOURCE = "synthetic://?cases=6&shape=64x64x24&seed=1"
 TRAIN_ARGS = ("--device", "cpu", "--base-filters", "8", "--levels", "4", "--batch-size", "8",
               "--max-epochs", "1", "--steps-per-epoch", "12", "--learning-rate", "0.01",
               "--val-batch-size", "32", "--num-workers", "0", "--fold", "0")
-
-
-def _ok(done: subprocess.CompletedProcess) -> None:
-    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,10 @@ from steps import storage
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["-p", "train.max_epochs=1", "-p", "train.steps_per_epoch=4"]
+# Four training steps make no model the INT8 gate can judge: quantize runs in the DAG in
+# tests/test_pods.py (in the real image) and on its own in tests/test_quantize.py.
+TINY = ["-p", "train.max_epochs=1", "-p", "train.steps_per_epoch=4",
+        "-p", "pipeline.stages=[download,preprocess,train,convert]"]
 
 
 def run_local(tmp: Path, s3, *overrides: str) -> dict:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from steps import convert, download, params, preprocess, train
+from steps import convert, download, params, preprocess, quantize, train
 from workflows.config import DEFAULT_CONFIG, Config, ConfigError, load_config
 from workflows.unet import build
 
@@ -17,6 +17,7 @@ REQUIRED = {  # the artifact flags each step needs besides its parameters
     "preprocess": ["--raw", "r", "--dataset", "d"],
     "train": ["--dataset", "d", "--model", "m"],
     "convert": ["--model", "m", "--dataset", "d", "--exported", "e"],
+    "quantize": ["--exported", "e", "--dataset", "d", "--quantized", "q"],
 }
 ALL = [(section, p) for section, spec in params.STEPS.items() for p in spec]
 
@@ -32,6 +33,8 @@ def parse(section: str, argv: list[str]):
         args = train.build_parser().parse_args(argv)
         train.check_args(args)
         return args
+    if section == "quantize":
+        return quantize.build_parser().parse_args(argv)
     return convert.parse_args(argv)
 
 
@@ -109,6 +112,8 @@ CHANGED = {
               "fold": 3, "seed": 8, "checkpoint_minutes": 0.0, "resume": "never",
               "resume_from": "s3://bucket/earlier/run/"},
     "convert": {"opset": 18, "parity_slices": 40},
+    "quantize": {"calibration_slices": 40, "calibration_seed": 5,
+                 "calibration_method": "entropy", "float_layers": "none"},
 }
 
 
@@ -137,7 +142,8 @@ def compiled_argv(doc: dict, step: str) -> list[str]:
     inputs = {p["name"]: _resolve(p["value"], {}, workflow)
               for p in task.get("arguments", {}).get("parameters", [])}
     args = [_resolve(a, inputs, workflow) for a in template["container"]["args"]]
-    skip = {"--raw", "--dataset", "--model", "--exported", "--nodes", "--checkpoint-uri"}
+    skip = {"--raw", "--dataset", "--model", "--exported", "--quantized", "--nodes",
+            "--checkpoint-uri"}
     out, i = [], 0
     while i < len(args):
         if args[i] not in skip:

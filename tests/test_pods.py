@@ -139,23 +139,24 @@ def test_leftovers_are_removed(image, run):
 
 @pytest.mark.slow
 def test_the_whole_dag_runs_in_the_real_image(image, s3_env, tmp_path):
-    """download -> preprocess -> train (cpu, checkpoints to the run's S3) -> convert, each in
-    ghcr.io/unet-argo/unet-cpu as uid 1000 with only its work volume, artifacts through S3."""
+    """download -> preprocess -> train (cpu, checkpoints to the run's S3) -> convert ->
+    quantize, each in ghcr.io/unet-argo/unet-cpu as uid 1000 with only its work volume,
+    artifacts through S3. The local profile's training, so that the INT8 gate has a model
+    that segments to hold to."""
     s3 = s3_env
     env = {**os.environ, **s3.env()}
     proc = subprocess.run(
         [sys.executable, str(REPO / "workflows" / "unet.py"), "run", "--local",
          "--executor", "podman", "--run-dir", str(tmp_path / "run"),
          "--output-dir", str(tmp_path / "outputs"),
-         "-p", "train.max_epochs=2", "-p", "train.steps_per_epoch=10",
          "-p", "download.source=synthetic://?cases=10&shape=64x64x24&seed=13"],  # no cache hit
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert s3.secret_key not in proc.stdout + proc.stderr
     result = json.loads(next((tmp_path / "run" / "runs").glob("*/result.json")).read_text())
     nodes = {n["task"]: n for n in result["nodes"]}
-    assert [nodes[t]["phase"] for t in ("download", "preprocess", "train", "convert")] == \
-        ["Succeeded"] * 4
+    stages = ("download", "preprocess", "train", "convert", "quantize")
+    assert [nodes[t]["phase"] for t in stages] == ["Succeeded"] * 5
     assert not any(node["memoized"] for node in nodes.values())  # every step ran here
     workflow = result["workflow_name"]
     assert "executor podman" in proc.stderr
@@ -175,5 +176,10 @@ def test_the_whole_dag_runs_in_the_real_image(image, s3_env, tmp_path):
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     logits = session.run(["logits"], {"image": np.zeros((2, 4, 64, 64), np.float32)})[0]
     assert logits.shape == (2, 4, 64, 64)
+    quantized = tmp_path / "outputs" / "quantized"
+    report = json.loads((quantized / "quantization.json").read_text())
+    assert (quantized / "unet2d-int8.onnx").is_file()
+    assert report["files"]["openvino"] == "unet2d-int8-openvino.xml"   # the image has it
+    assert (quantized / "unet2d-int8-openvino.bin").is_file()
     assert json.loads((tmp_path / "outputs" / "exported" / "parity.json").read_text())["passed"]
 

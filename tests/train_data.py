@@ -29,6 +29,11 @@ def run_step(module: str, *args: str, env: dict[str, str] | None = None,
                           timeout=timeout)
 
 
+def assert_ok(done: subprocess.CompletedProcess) -> None:
+    """A step subprocess exited 0; otherwise show the end of its stderr."""
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def make_dataset(root: Path, cases: int, shape: str, seed: int, patch: str) -> Path:
     """Synthetic raw data → preprocess → ``root/dataset`` (the real steps, no shortcuts)."""
     raw, dataset = root / "raw", root / "dataset"
@@ -44,3 +49,16 @@ def make_dataset(root: Path, cases: int, shape: str, seed: int, patch: str) -> P
     assert done.returncode == 0, done.stderr
     shutil.rmtree(raw)
     return dataset
+
+
+def exported_model(root: Path, source: str, patch: str, *train_args: str) -> Path:
+    """download → preprocess → train → convert by the real steps, under ``root``."""
+    assert_ok(run_step("download", "--source", source, "--raw", str(root / "raw"),
+                       "--no-progress"))
+    assert_ok(run_step("preprocess", "--raw", str(root / "raw"), "--dataset",
+                       str(root / "dataset"), "--patch-size", patch))
+    assert_ok(run_step("train", "--dataset", str(root / "dataset"), "--model",
+                       str(root / "model"), *train_args))
+    assert_ok(run_step("convert", "--model", str(root / "model"), "--dataset",
+                       str(root / "dataset"), "--exported", str(root / "exported")))
+    return root

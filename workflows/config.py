@@ -27,6 +27,7 @@ from steps.errors import StepError
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "config" / "pipeline.yaml"
 STAGES = ("download", "preprocess", "train", "convert")
+OPTIONAL_STAGES = ("quantize",)   # after convert; on the UI form as the 'quantize' parameter
 _QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
 _DURATION = r"^[0-9]+(s|m|h)$"
 _UNITS_S = {"s": 1, "m": 60, "h": 3600}
@@ -70,15 +71,17 @@ class _Strict(BaseModel):
 class Pipeline(_Strict):
     model_name: str = Field("unet2d-brats", pattern=_NAME, max_length=40,
                             description="model name: workflow prefix, models/<model_name>/ key")
-    stages: list[Literal["download", "preprocess", "train", "convert"]] = list(STAGES)
+    stages: list[Literal["download", "preprocess", "train", "convert", "quantize"]] = \
+        list(STAGES)
     service_account: str = Field("unet-workflow", pattern=_NAME)
     run_as_user: int = Field(1000, ge=1, description="non-root uid for every step pod")
 
     @field_validator("stages")
     @classmethod
     def _all_stages_in_order(cls, value: list[str]) -> list[str]:
-        if tuple(value) != STAGES:
-            raise ValueError(f"must be {list(STAGES)} (the DAG has exactly these stages)")
+        if tuple(value) not in (STAGES, STAGES + OPTIONAL_STAGES):
+            raise ValueError(f"must be {list(STAGES)}, optionally followed by "
+                             f"{list(OPTIONAL_STAGES)} (the DAG's stages in their order)")
         return value
 
 
@@ -165,6 +168,7 @@ Download = _step_section("download")
 Preprocess = _step_section("preprocess")
 Train = _step_section("train")
 Convert = _step_section("convert")
+Quantize = _step_section("quantize")
 
 
 class Toleration(_Strict):
@@ -205,6 +209,7 @@ class Resources(_Strict):
     download: StepResources = StepResources(cpu="1", memory="2Gi", timeout="6h")
     preprocess: StepResources = StepResources(cpu="8", memory="32Gi", timeout="6h")
     convert: StepResources = StepResources(cpu="4", memory="16Gi", timeout="2h")
+    quantize: StepResources = StepResources(cpu="4", memory="16Gi", timeout="2h")
     handoff: StepResources = Field(StepResources(cpu="1", memory="2Gi", timeout="2h"),
                                    description="multi-node only: share-dataset, collect-model")
     train: TrainResources = TrainResources()
@@ -222,6 +227,7 @@ class Config(_Strict):
     preprocess: Preprocess = Preprocess()
     train: Train = Train()
     convert: Convert = Convert()
+    quantize: Quantize = Quantize()
     resources: Resources = Resources()
     profiles: dict[str, dict[str, Any]] = {}
     local_profile: str = ""
@@ -231,12 +237,16 @@ class Config(_Strict):
         return getattr(self.images, kind)
 
     @property
+    def quantizes(self) -> bool:
+        return "quantize" in self.pipeline.stages
+
+    @property
     def train_image_kind(self) -> str:
         return self.resources.train.accelerator
 
 
 SECTIONS = ("pipeline", "images", "storage", "memoize", "retry", "download", "preprocess",
-            "train", "convert", "resources")
+            "train", "convert", "quantize", "resources")
 
 
 def _merge(base: dict, update: dict) -> dict:

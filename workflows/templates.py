@@ -52,6 +52,10 @@ def workflow_parameters(cfg: Config) -> list[Parameter]:
             if p.ui:
                 out.append(Parameter(name=p.dashed, value=p.text(value(cfg, section, p)),
                                      description=p.help, enum=_enum(cfg, p)))
+    if cfg.quantizes:
+        out.append(Parameter(name="quantize", value="true", enum=["true", "false"],
+                             description="also publish a calibrated INT8 model, released only "
+                                         "if its Dice is within the gate of the FP32 model's"))
     return out + [
         Parameter(name="data-image-tag", value=cfg.images.cpu.tag,
                   description=f"tag of {cfg.images.cpu.repository} (download, preprocess, "
@@ -341,18 +345,27 @@ def train_template(cfg: Config) -> Container:
         metrics=m.Metrics(prometheus=[duration_metric(cfg)] + result_metrics(cfg)))
 
 
-def convert_template(cfg: Config) -> Container:
-    release = S3Artifact(name="release", path=f"{DATA}/exported", archive=NoneArchiveStrategy(),
+def release_step(cfg: Config, name: str, reads: tuple[str, ...], writes: str,
+                 key_suffix: str = "") -> Container:
+    """A CPU step that reads the artifacts ``reads``, writes ``writes`` and also releases it
+    to the stable key ``models/<model_name>/<workflow name><key_suffix>``."""
+    release = S3Artifact(name="release", path=f"{DATA}/{writes}", archive=NoneArchiveStrategy(),
                          key=f"{cfg.storage.models_prefix}/{cfg.pipeline.model_name}/"
-                             "{{workflow.name}}")
-    return step(cfg, "convert", "cpu",
-                args=["--model", "{{inputs.artifacts.model.path}}",
-                      "--dataset", "{{inputs.artifacts.dataset.path}}",
-                      "--exported", "{{outputs.artifacts.exported.path}}"]
-                + param_args(cfg, "convert"),
-                inputs=[Parameter(name="image-tag"), directory("model"), directory("dataset")],
-                outputs=[directory("exported", output=True), release]
-                + file_outputs("exported", "convert"),
+                             "{{workflow.name}}" + key_suffix)
+    args = [word for artifact in reads
+            for word in (f"--{artifact}", "{{inputs.artifacts.%s.path}}" % artifact)]
+    return step(cfg, name, "cpu",
+                args=args + [f"--{writes}", "{{outputs.artifacts.%s.path}}" % writes]
+                + param_args(cfg, name),
+                inputs=[Parameter(name="image-tag")] + [directory(a) for a in reads],
+                outputs=[directory(writes, output=True), release] + file_outputs(writes, name),
                 env=extra_env(cfg))
 
 
+def convert_template(cfg: Config) -> Container:
+    return release_step(cfg, "convert", ("model", "dataset"), "exported")
+
+
+def quantize_template(cfg: Config) -> Container:
+    """Beside the FP32 model: ``models/<model_name>/<workflow name>/int8/``."""
+    return release_step(cfg, "quantize", ("exported", "dataset"), "quantized", "/int8")

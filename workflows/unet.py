@@ -11,7 +11,9 @@ Every command takes ``--config config/pipeline.yaml``, ``--profile NAME`` and
 ``-p key=value`` (see :mod:`workflows.config`).
 
 DAG: download --raw--> preprocess --dataset--> train --model--> convert --exported-->
-models/<model_name>/<workflow name>/ (convert also reads ``dataset``). The templates are
+models/<model_name>/<workflow name>/ (convert also reads ``dataset``), and with the optional
+stage ``quantize`` (``pipeline.stages``; the ``quantize`` parameter turns it off per run)
+convert --exported--> quantize --quantized--> models/<model_name>/<workflow name>/int8/. The templates are
 :mod:`workflows.templates`. With ``resources.train.nodes > 1`` train becomes a Kubeflow
 PyTorchJob (see :mod:`workflows.multinode`).
 """
@@ -57,6 +59,7 @@ def build(cfg: Config, kind: str = "workflow") -> Workflow:
              ) as wf:
         download, preprocess = t.download_template(cfg), t.preprocess_template(cfg)
         convert = t.convert_template(cfg)
+        quantize = t.quantize_template(cfg) if cfg.quantizes else None
         multi = cfg.resources.train.nodes > 1
         train = multinode.templates(cfg) if multi else t.train_template(cfg)
         data_tag = wf.get_parameter("data-image-tag").with_name("image-tag")
@@ -79,6 +82,11 @@ def build(cfg: Config, kind: str = "workflow") -> Workflow:
                 data_tag, last.get_artifact("model"), dataset])
             t_download >> t_pre >> first
             last >> t_convert
+            if quantize is not None:
+                t_convert >> Task(name="quantize", template=quantize,
+                                  when="{{workflow.parameters.quantize}} == true",
+                                  arguments=[data_tag, t_convert.get_artifact("exported"),
+                                             dataset])
     return wf
 
 

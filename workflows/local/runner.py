@@ -400,10 +400,14 @@ class LocalRun:
             self.log(f"{node.task}:   {name} = {value}")
 
     # -- the end of a run -----------------------------------------------------------------
-    def _leaves(self) -> list[NodeResult]:
-        used = {name for task in self.tasks.values() for name in task.upstream}
+    def _products(self) -> list[NodeResult]:
+        """Succeeded nodes whose outputs are the run's products: those no succeeded task
+        depends on, and those that release an artifact to a stable key (an explicit
+        ``s3.key`` outside ``{{workflow.name}}/``, e.g. ``models/``)."""
+        ok = {name for name, node in self.nodes.items() if node.phase == "Succeeded"}
+        used = {u for task in self.tasks.values() if task.name in ok for u in task.upstream}
         return [self.nodes[t.name] for t in self.order
-                if t.name not in used and self.nodes[t.name].phase == "Succeeded"]
+                if t.name in ok and (t.name not in used or _releases(t.template))]
 
     def _finish(self, result: RunResult) -> None:
         """Find the ONNX models, presign links, copy the final outputs to output_dir."""
@@ -421,12 +425,14 @@ class LocalRun:
                     target = self.pods.target
                     url = "" if target.embedded else target.presign(key)
                     result.models.append(ModelLink(target.uri(key), url))
-        # Stable keys (an explicit s3.key, outside <workflow>/) before per-pod copies.
-        result.models.sort(key=lambda m: m.uri.startswith(self.pods.target.uri(self.name + "/")))
+        # Stable keys (an explicit s3.key, outside <workflow>/) before per-pod copies, the
+        # shallowest first (the FP32 release before its int8/ beside it).
+        per_pod = self.pods.target.uri(self.name + "/")
+        result.models.sort(key=lambda m: (m.uri.startswith(per_pod), m.uri.count("/")))
         if self.output_dir is None:
             return
         copied: list[str] = []
-        for node in self._leaves():
+        for node in self._products():
             for name, ref in node.artifacts.items():
                 path = self.pods.paths.get((node.task, name), "")
                 if path and any(PurePosixPath(path).is_relative_to(c) for c in copied):
@@ -469,6 +475,11 @@ def _grouped(notes: list[str]) -> list[str]:
         else:
             others.append(text)
     return [f"ignoring {', '.join(fields)} ({why})" for why, fields in groups.items()] + others
+
+
+def _releases(template: dict) -> bool:
+    return any(not str((a.get("s3") or {}).get("key", "{{workflow.name}}")).startswith(
+        "{{workflow.name}}") for a in (template.get("outputs") or {}).get("artifacts") or [])
 
 
 def storage_keys(ref: ArtifactRef) -> list[str]:

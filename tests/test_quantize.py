@@ -1,0 +1,132 @@
+"""The quantize step on a model trained in the test: the gate, the file, the card, predict."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from steps.artifacts import write_manifest
+from steps.dataset import fold_names, open_cases, read_metadata
+from steps.quantize import CARD_FILE, INT8_FILE, OPENVINO_FILE, REPORT_FILE, calibration_set
+from tests.train_data import REPO, assert_ok as _ok, exported_model, run_step
+
+pytestmark = pytest.mark.slow  # trains a model that segments, then quantizes it
+
+SOURCE = "synthetic://?cases=10&shape=64x64x24&seed=0"
+TRAIN = ("--device", "cpu", "--base-filters", "8", "--levels", "4", "--batch-size", "16",
+         "--learning-rate", "0.004", "--max-epochs", "6", "--steps-per-epoch", "50",
+         "--patience", "0", "--val-batch-size", "32", "--num-workers", "0")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    return exported_model(tmp_path_factory.mktemp("quantize"), SOURCE, "64x64", *TRAIN)
+
+
+def quantize(root: Path, dataset: Path, out: Path, *extra: str):
+    return run_step("quantize", "--exported", str(root / "exported"), "--dataset", str(dataset),
+                    "--quantized", str(out), *extra)
+
+
+def test_calibrated_model_passes_the_gate_and_records_its_calibration(exported):
+    out = exported / "quantized"
+    _ok(quantize(exported, exported / "dataset", out))
+    report = json.loads((out / REPORT_FILE).read_text())
+    figures = report["figures"]
+    assert figures["fp32"]["mean_dice"] > 0.5, "the test model must segment for the gate to bite"
+    assert figures["int8"]["mean_dice_drop_points"] <= 0.5
+    assert max(figures["int8"]["class_dice_drop_points"].values()) <= 1.0
+    assert figures["int8"]["agreement_in_foreground"] >= 0.99
+    meta = read_metadata(exported / "dataset")
+    train, val = fold_names(meta, 0)
+    assert set(report["calibration"]["training_cases"]) <= set(train)
+    assert not set(report["calibration"]["training_cases"]) & set(val)
+    expected = calibration_set(open_cases(exported / "dataset", meta, train), 128, 0, (64, 64))
+    card = json.loads((out / CARD_FILE).read_text())
+    assert card["quantization"]["calibration"]["sha256"] == expected.digest
+    assert card["quantization"]["float_layers"]["convolutions"]  # first and last kept float
+    outputs = {p.name: p.read_text().strip() for p in (out / "argo-outputs").iterdir()}
+    assert set(outputs) == {"int8_mean_dice", "int8_speedup"}
+    assert abs(float(outputs["int8_mean_dice"]) - figures["int8"]["mean_dice"]) < 1e-4
+
+
+def test_openvino_ir_is_gated_like_the_onnx_model(exported):
+    pytest.importorskip("openvino", reason="the openvino extra is not installed")
+    pytest.importorskip("nncf", reason="the openvino extra is not installed")
+    import openvino as ov
+    out = exported / "quantized"
+    if not (out / REPORT_FILE).is_file():
+        _ok(quantize(exported, exported / "dataset", out))
+    report = json.loads((out / REPORT_FILE).read_text())
+    assert report["files"]["openvino"] == OPENVINO_FILE
+    figures = report["figures"]["openvino_int8"]
+    assert figures["mean_dice_drop_points"] <= 0.5 and figures["agreement_in_foreground"] >= 0.99
+    compiled = ov.Core().compile_model(str(out / OPENVINO_FILE), "CPU")
+    x = np.random.default_rng(1).standard_normal((2, 4, 96, 80)).astype(np.float32)
+    assert compiled({"image": x})[0].shape == (2, 4, 96, 80)
+
+
+def test_int8_file_is_valid_onnx_and_runs_at_a_new_size(exported):
+    import onnx
+    import onnxruntime as ort
+    path = exported / "quantized" / INT8_FILE
+    if not path.is_file():
+        _ok(quantize(exported, exported / "dataset", exported / "quantized"))
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model)
+    assert any(node.op_type == "QuantizeLinear" for node in model.graph.node)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).standard_normal((3, 4, 96, 80)).astype(np.float32)
+    (logits,) = session.run(["logits"], {"image": x})
+    assert logits.shape == (3, 4, 96, 80) and np.isfinite(logits).all()
+
+
+def test_predict_runs_the_int8_model_unchanged(exported, tmp_path):
+    path = exported / "quantized" / INT8_FILE
+    if not path.is_file():
+        _ok(quantize(exported, exported / "dataset", exported / "quantized"))
+    case = sorted((exported / "raw" / "Task01_BrainTumour" / "imagesTr").glob("*.nii.gz"))[0]
+    done = subprocess.run([sys.executable, "-m", "steps.convert", "predict", "--onnx", str(path),
+                           "--image", str(case), "--out", str(tmp_path / "label.nii.gz")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    _ok(done)
+    import nibabel as nib
+    assert nib.load(tmp_path / "label.nii.gz").shape == nib.load(case).shape[:3]
+
+
+def test_bad_calibration_fails_the_gate_and_publishes_nothing(exported, tmp_path):
+    """All-zero training slices give activation ranges of nothing: the INT8 model cannot
+    follow the FP32 one, and the step says so in one line."""
+    dataset = tmp_path / "dataset"
+    shutil.copytree(exported / "dataset", dataset)
+    meta = read_metadata(dataset)
+    train, _ = fold_names(meta, 0)
+    for case in meta["cases"]:
+        if case["name"] in train:
+            image = np.load(dataset / case["image"])
+            np.save(dataset / case["image"], np.zeros_like(image))
+    (dataset / "MANIFEST.json").unlink()
+    write_manifest(dataset, "dataset", "preprocess", {"test": "zeroed training fold"})
+    out = tmp_path / "quantized"
+    done = quantize(exported, dataset, out)
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "nothing published" in errors[0], done.stderr[-2000:]
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_an_openvino_ir_outside_the_gate_is_left_out_with_its_reason(tmp_path, capsys):
+    from steps.quantize import _keep_if_gated
+    for suffix in (".xml", ".bin"):
+        (tmp_path / OPENVINO_FILE).with_suffix(suffix).write_text("ir")
+    figures = {"mean_dice": 0.80, "mean_dice_drop_points": 2.0,
+               "class_dice_drop_points": {"1": 2.0}, "agreement_in_foreground": 0.999}
+    kept = _keep_if_gated(tmp_path, figures)
+    assert kept.startswith("not published: quantize: INT8 (OpenVINO) mean Dice 80.00")
+    assert not list(tmp_path.iterdir())
+    assert "the OpenVINO IR is left out" in capsys.readouterr().err
