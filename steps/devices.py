@@ -66,7 +66,9 @@ class DeviceInfo:
 
 
 def set_hpu_mode_env(hpu_mode: str) -> None:
-    """``PT_HPU_LAZY_MODE`` must be set before habana_frameworks is first imported."""
+    """``PT_HPU_LAZY_MODE`` must be set before habana_frameworks is first imported: the
+    bridge fixes the mode then. Importing ``steps`` switches torch's backend autoload off
+    (steps/__init__.py), so that import happens here, in :func:`_habana`, after this."""
     if hpu_mode not in HPU_MODES:
         raise StepError(f"--hpu-mode must be one of {', '.join(HPU_MODES)}, got '{hpu_mode}'")
     os.environ["PT_HPU_LAZY_MODE"] = "1" if hpu_mode == "lazy" else "0"
@@ -78,6 +80,26 @@ def _habana():
         return importlib.import_module("habana_frameworks.torch")
     except ImportError:
         return None
+
+
+def lazy_mode_in_effect() -> bool | None:
+    """Whether the imported bridge runs lazy mode (``utils.internal.is_lazy``); None when
+    it cannot say."""
+    try:
+        return bool(importlib.import_module("habana_frameworks.torch.utils.internal").is_lazy())
+    except (ImportError, AttributeError):
+        return None
+
+
+def check_hpu_mode(hpu_mode: str) -> None:
+    """The mode the bridge runs must be the one asked for: a bridge imported before the
+    mode was set (torch's autoload, or code that imported it early) keeps its own."""
+    lazy = lazy_mode_in_effect()
+    if lazy is not None and lazy != (hpu_mode == "lazy"):
+        raise StepError(f"--hpu-mode {hpu_mode}: the Habana bridge runs "
+                        f"{'lazy' if lazy else 'eager/compile'} mode, fixed when it was "
+                        "imported before the step set PT_HPU_LAZY_MODE (import steps before "
+                        "torch, or set TORCH_DEVICE_BACKEND_AUTOLOAD=0 and PT_HPU_AUTOLOAD=0)")
 
 
 def hpu_count() -> int:
@@ -106,6 +128,7 @@ def resolve_kind(requested: str, hpu_mode: str = "compile") -> str:
     if requested in ("auto", "hpu"):
         set_hpu_mode_env(hpu_mode)
         if hpu_count() > 0:
+            check_hpu_mode(hpu_mode)
             return "hpu"
         if requested == "hpu":
             raise StepError("--device hpu: no Gaudi HPU found (habana_frameworks.torch is "
@@ -187,10 +210,11 @@ def prepare_model(model: torch.nn.Module, info: DeviceInfo) -> torch.nn.Module:
 
 def compile_for_device(module: torch.nn.Module, info: DeviceInfo,
                        compile_cuda: bool = False) -> torch.nn.Module:
-    """What the loop calls: ``torch.compile(backend="hpu_backend")`` in HPU compile mode,
-    optionally ``torch.compile`` on CUDA, else ``module`` itself."""
+    """What the loop calls: ``torch.compile(backend="hpu_backend", dynamic=False)`` in HPU
+    compile mode (static shapes, as Habana's reference: the loop feeds one training shape
+    and one validation shape), optionally ``torch.compile`` on CUDA, else ``module``."""
     if info.kind == "hpu" and info.hpu_mode == "compile":
-        return torch.compile(module, backend="hpu_backend")
+        return torch.compile(module, backend="hpu_backend", dynamic=False)
     if info.kind == "cuda" and compile_cuda:
         return torch.compile(module)
     return module

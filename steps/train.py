@@ -225,10 +225,23 @@ def _pad_to_multiple(x: torch.Tensor, multiple: int, fill: torch.Tensor) -> torc
     return out
 
 
+def static_shape(cases, multiple: int) -> tuple[int, int]:
+    """The largest (H, W) over ``cases``, rounded up to ``multiple``: one shape for every
+    validation forward pass on a graph-compiling device."""
+    height = max(case.image.shape[2] for case in cases)
+    width = max(case.image.shape[3] for case in cases)
+    return -(-height // multiple) * multiple, -(-width // multiple) * multiple
+
+
 @torch.no_grad()
 def predict_volume(forward, image: np.ndarray, info: devices.DeviceInfo, batch: int,
-                   multiple: int) -> torch.Tensor:
-    """2D inference over every slice: image (C, D, H, W) → argmax labels (D, H, W) on CPU."""
+                   multiple: int, shape: tuple[int, int] | None = None) -> torch.Tensor:
+    """2D inference over every slice: image (C, D, H, W) → argmax labels (D, H, W) on CPU.
+
+    With ``shape`` every forward pass is (batch, C, *shape): slices padded to it and the last
+    batch filled up with background, as Habana's reference pads its validation (a new input
+    shape is a new graph compile on an HPU); without, slices are padded only to ``multiple``.
+    """
     channels, depth, height, width = image.shape
     fill = torch.from_numpy(np.asarray(image[:, 0:1], dtype=np.float32)
                             .reshape(channels, -1).min(axis=1))
@@ -236,16 +249,27 @@ def predict_volume(forward, image: np.ndarray, info: devices.DeviceInfo, batch: 
     for start in range(0, depth, batch):
         x = torch.from_numpy(np.ascontiguousarray(
             np.asarray(image[:, start:start + batch], dtype=np.float32).transpose(1, 0, 2, 3)))
-        x = devices.to_device(_pad_to_multiple(x, multiple, fill), info)
+        n = x.shape[0]
+        x = _pad_to_multiple(x, multiple, fill) if shape is None else _pad_to(x, batch, shape,
+                                                                               fill)
         with info.autocast():
-            logits = forward(x)
-        preds.append(logits[..., :height, :width].argmax(dim=1).to("cpu", torch.uint8))
+            logits = forward(devices.to_device(x, info))
+        preds.append(logits[:n, :, :height, :width].argmax(dim=1).to("cpu", torch.uint8))
         devices.mark_step(info)
     return torch.cat(preds)
 
 
+def _pad_to(x: torch.Tensor, batch: int, shape: tuple[int, int],
+            fill: torch.Tensor) -> torch.Tensor:
+    """(n, C, h, w) → (batch, C, *shape), the new area filled with ``fill`` (C,)."""
+    out = fill.reshape(1, -1, 1, 1).expand(batch, x.shape[1], *shape).clone()
+    out[:x.shape[0], :, :x.shape[2], :x.shape[3]] = x
+    return out
+
+
 def evaluate(forward, cases, info, batch: int, multiple: int, n_classes: int,
-             rank: int, world: int) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+             rank: int, world: int,
+             shape: tuple[int, int] | None = None) -> tuple[torch.Tensor, list[dict[str, Any]]]:
     """Mean per-class Dice over the validation volumes (shared out over ranks).
 
     Returns (n_classes - 1,) float64 Dice and, on rank 0, a few overlay samples.
@@ -257,7 +281,7 @@ def evaluate(forward, cases, info, batch: int, multiple: int, n_classes: int,
     samples = []
     for index in range(rank, len(cases), world):
         case = cases[index]
-        pred = predict_volume(forward, case.image, info, batch, multiple)
+        pred = predict_volume(forward, case.image, info, batch, multiple, shape)
         truth = torch.from_numpy(np.array(case.label))
         totals[:-1] += dice_per_class(pred, truth, n_classes)
         totals[-1] += 1
@@ -278,6 +302,25 @@ def evaluate(forward, cases, info, batch: int, multiple: int, n_classes: int,
 def lr_factor(step: int, total: int) -> float:
     """Cosine decay from 1 to 0 over ``total`` steps."""
     return 0.5 * (1.0 + math.cos(math.pi * min(step, total) / max(total, 1)))
+
+
+def forwards(net: torch.nn.Module, info: devices.DeviceInfo, world: int):
+    """(train, eval) callables: the network compiled first and then wrapped in DDP, as
+    Habana's reference orders them; validation uses the compiled network unwrapped."""
+    compiled = devices.compile_for_device(net, info)
+    return (devices.wrap_ddp(compiled, info) if world > 1 else compiled), compiled
+
+
+def device_batch(images: torch.Tensor, labels: torch.Tensor, info: devices.DeviceInfo,
+                 seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A host batch on the device, augmented there; in lazy mode the augmentation is
+    flushed as a graph of its own, so the model's graph stays one shape step after step."""
+    from steps.sampler import augment
+
+    images, labels = augment(devices.to_device(images, info), labels.to(info.device), seed,
+                             devices.device_generator(info, seed), inplace=True)
+    devices.mark_step(info)
+    return images, labels
 
 
 def train_step(forward, loss_fn, optimizer, scheduler, scaler, info: devices.DeviceInfo,
@@ -362,9 +405,9 @@ class Trainer:
         self.total_steps = self.steps_per_epoch * args.max_epochs
 
         self.net = devices.prepare_model(build_model(plan.model_config), self.info)
-        module = devices.wrap_ddp(self.net, self.info) if world > 1 else self.net
-        self.train_forward = devices.compile_for_device(module, self.info)
-        self.eval_forward = devices.compile_for_device(self.net, self.info)
+        self.train_forward, self.eval_forward = forwards(self.net, self.info, world)
+        self.val_shape = static_shape(self.val_cases, plan.model_config.size_multiple()) \
+            if self.info.kind == "hpu" else None
         self.loss_fn = DeepSupervisionLoss()
         self.optimizer = devices.make_optimizer(args.optimizer, self.net.parameters(),
                                                 args.learning_rate, args.weight_decay,
@@ -420,7 +463,7 @@ class Trainer:
     def run_epoch(self) -> dict[str, Any]:
         """Train to the end of the current epoch (from mid-epoch after a resume)."""
         from tqdm import tqdm
-        from steps.sampler import augment, torch_seed
+        from steps.sampler import torch_seed
 
         args, info, p = self.args, self.info, self.progress
         done = p.step - p.epoch * self.steps_per_epoch
@@ -433,9 +476,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=info.device)
         for images, labels in self._loader(p.step, remaining):
             seed = torch_seed(args.seed, p.step, self.rank)
-            images, labels = augment(devices.to_device(images, info),
-                                     labels.to(info.device), seed,
-                                     devices.device_generator(info, seed), inplace=True)
+            images, labels = device_batch(images, labels, info, seed)
             loss = train_step(self.train_forward, self.loss_fn, self.optimizer, self.scheduler,
                               self.scaler, info, images, labels)
             loss_sum += loss
@@ -467,7 +508,7 @@ class Trainer:
         self.net.eval()
         dice, samples = evaluate(self.eval_forward, self.val_cases, self.info,
                                  self.args.val_batch_size, self.multiple, self.n_classes,
-                                 self.rank, self.world)
+                                 self.rank, self.world, self.val_shape)
         self.net.train()
         classes = [str(c) for c in range(1, self.n_classes)]
         return ({"dice": {c: float(d) for c, d in zip(classes, dice)},

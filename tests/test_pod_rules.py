@@ -7,6 +7,7 @@ The rules are in workflows/pod_rules.py; the facts behind them are cited there.
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import yaml
@@ -235,3 +236,39 @@ def test_the_wave1_workflow_fails_lint_and_todays_passes():
         tmpl.pop("activeDeadlineSeconds", None)
     problems, _ = lint(broken, env={})
     assert any(p.startswith("pods:") for p in problems)
+
+
+# ---- the Gaudi train pod as Habana's docs specify it (issue 18) -------------------------------
+
+def _train_pods(doc) -> list[dict]:
+    """(pod spec, container) of every pod that trains: the Argo template, or the job's."""
+    t = _templates(doc)["train"]
+    if "resource" in t:
+        job = yaml.safe_load(t["resource"]["manifest"])
+        return [(spec["template"]["spec"], spec["template"]["spec"]["containers"][0])
+                for spec in job["spec"]["pytorchReplicaSpecs"].values()]
+    return [(json.loads(t.get("podSpecPatch", "{}")), t["container"])]
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_the_gaudi_train_pod_has_what_habanas_docs_ask(nodes):
+    """Intel Gaudi docs: Kubernetes Quick Start (docs.habana.ai/en/latest/Quick_Start_Guides/
+    Kubernetes_Quick_Start.html) runs the job with hostIPC: true and capability SYS_NICE and
+    asks habana.ai/gaudi and hugepages-2Mi; "Pull Prebuilt Containers" says --ipc=host is
+    required for HCCL. Hugepages: the docs' 8-card example (AWS EKS guide, v1.9.0) asks
+    42000Mi, here 5250Mi per card by default (resources.train.hugepages_2mi_per_card)."""
+    doc = _doc(f"resources.train.nodes={nodes}")
+    for pod, container in _train_pods(doc):
+        assert pod["hostIPC"] is True
+        assert container["securityContext"]["capabilities"]["add"] == ["SYS_NICE"]
+        limits, requests = container["resources"]["limits"], container["resources"]["requests"]
+        assert limits["habana.ai/gaudi"] == "8" and limits["hugepages-2Mi"] == "42000Mi"
+        assert requests == limits      # hugepages and extended resources: requests = limits
+    one = _doc("train.devices=2", "train.batch_size=64")
+    assert _train_pods(one)[0][1]["resources"]["limits"]["hugepages-2Mi"] == "10500Mi"
+
+
+@pytest.mark.parametrize("profile", ["cuda_1gpu", "local"])
+def test_other_accelerators_get_no_host_ipc_or_capabilities(profile):
+    for pod, container in _train_pods(_doc(profile=profile)):
+        assert "hostIPC" not in pod and "securityContext" not in container

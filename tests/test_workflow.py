@@ -178,7 +178,7 @@ def test_gaudi_train_resources_and_outputs():
     t = _templates(_doc())["train"]
     res = t["container"]["resources"]
     assert res["limits"]["habana.ai/gaudi"] == res["requests"]["habana.ai/gaudi"] == "8"
-    assert res["limits"]["hugepages-2Mi"] == "30000Mi"
+    assert res["limits"]["hugepages-2Mi"] == "42000Mi"   # 5250Mi per card x 8
     shm = {v["name"]: v for v in t["volumes"]}["dshm"]["emptyDir"]
     assert shm["medium"] == "Memory"
     assert {"mountPath": "/dev/shm", "name": "dshm"} in t["container"]["volumeMounts"]

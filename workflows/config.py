@@ -197,7 +197,10 @@ class TrainResources(_Strict):
     nodes: int = Field(1, ge=1, le=64, description="> 1 trains through a Kubeflow PyTorchJob")
     cpu: str = Field("32", pattern=_QUANTITY)
     memory: str = Field("500Gi", pattern=_QUANTITY)
-    hugepages_2mi: str = Field("30000Mi", pattern=_QUANTITY)
+    hugepages_2mi_per_card: str = Field(
+        "5250Mi", pattern=r"^[1-9][0-9]*Mi$",
+        description="2 MiB hugepages per Gaudi card; the pod asks this x train.devices "
+                    "(42000Mi for 8 cards, Habana's 8-card Kubernetes example)")
     shm_size: str = Field("64Gi", pattern=_QUANTITY)
     node_selector: dict[LabelKey, LabelValue] = {}
     tolerations: list[Toleration] = []

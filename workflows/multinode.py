@@ -95,6 +95,12 @@ def _pod(cfg: Config, replicas: int, master: bool) -> dict:
         }],
         "volumes": [v.model_dump(by_alias=True, exclude_none=True) for v in volumes],
     }
+    security, host_ipc = t.gaudi_pod(cfg)
+    if security is not None:
+        pod["containers"][0]["securityContext"] = security.model_dump(by_alias=True,
+                                                                       exclude_none=True)
+    if host_ipc:
+        pod["hostIPC"] = True
     if r.node_selector:
         pod["nodeSelector"] = dict(r.node_selector)
     if r.tolerations:

@@ -263,7 +263,8 @@ def accelerator_resources(cfg: Config) -> tuple[m.ResourceRequirements, list, li
     """Train pod resources, volumes and mounts for the configured accelerator.
 
     Every train pod has the work volume at /data.
-    gaudi: ``habana.ai/gaudi`` and ``hugepages-2Mi`` as Habana documents (requests = limits);
+    gaudi: ``habana.ai/gaudi`` and ``hugepages-2Mi`` (per card x cards) as Habana documents
+    (requests = limits; see :func:`gaudi_pod` for the rest of Habana's pod);
     cuda: ``nvidia.com/gpu``; cpu: cpu and memory only. /dev/shm is memory-backed for the
     data loader's shared tensors.
     """
@@ -275,13 +276,28 @@ def accelerator_resources(cfg: Config) -> tuple[m.ResourceRequirements, list, li
         medium="Memory", size_limit=r.shm_size))]
     mounts = [work_mount, m.VolumeMount(name="dshm", mount_path="/dev/shm")]
     if r.accelerator == "gaudi":
-        limits |= {"habana.ai/gaudi": devices, "hugepages-2Mi": r.hugepages_2mi}
+        per_card = int(r.hugepages_2mi_per_card[:-2])
+        limits |= {"habana.ai/gaudi": devices,
+                   "hugepages-2Mi": f"{per_card * cfg.train.devices}Mi"}
         volumes.append(m.Volume(name="hugepage", empty_dir=m.EmptyDirVolumeSource(
             medium="HugePages")))
         mounts.append(m.VolumeMount(name="hugepage", mount_path="/hugepages"))
     elif r.accelerator == "cuda":
         limits |= {"nvidia.com/gpu": devices}
     return m.ResourceRequirements(requests=dict(limits), limits=limits), volumes, mounts
+
+
+# Intel Gaudi docs, "Running Workloads on Kubernetes" (Kubernetes_Quick_Start, Gaudi_Kubernetes):
+# the training pod runs with hostIPC and the SYS_NICE capability; the Docker page says
+# --ipc=host is required for HCCL's shared memory.
+GAUDI_CAPABILITIES = ("SYS_NICE",)
+
+
+def gaudi_pod(cfg: Config) -> tuple[m.SecurityContext | None, bool]:
+    """(the train container's securityContext, hostIPC) for the configured accelerator."""
+    if cfg.resources.train.accelerator != "gaudi":
+        return None, False
+    return m.SecurityContext(capabilities=m.Capabilities(add=list(GAUDI_CAPABILITIES))), True
 
 
 DONE = "{{status}} == Succeeded"
@@ -328,6 +344,7 @@ def model_outputs() -> list:
 
 def train_template(cfg: Config) -> Container:
     resources, volumes, mounts = accelerator_resources(cfg)
+    security, host_ipc = gaudi_pod(cfg)
     r = cfg.resources.train
     return Container(
         name="train", image=image(cfg, cfg.train_image_kind),
@@ -341,6 +358,8 @@ def train_template(cfg: Config) -> Container:
         node_selector=dict(r.node_selector) or None,
         tolerations=[m.Toleration(**t.model_dump(exclude_none=True)) for t in r.tolerations]
         or None, active_deadline_seconds=seconds(r.timeout),
+        security_context=security,
+        pod_spec_patch='{"hostIPC": true}' if host_ipc else None,  # no Template field for it
         retry_strategy=retry(cfg),
         metrics=m.Metrics(prometheus=[duration_metric(cfg)] + result_metrics(cfg)))
 

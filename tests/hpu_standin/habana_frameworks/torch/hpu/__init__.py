@@ -1,4 +1,6 @@
-"""STAND-IN: reports 8 devices."""
+"""STAND-IN: reports $HPU_STANDIN_DEVICES devices (default 8)."""
+import os
+
 from habana_frameworks import record
 
 
@@ -7,7 +9,7 @@ def is_available() -> bool:
 
 
 def device_count() -> int:
-    return 8
+    return int(os.environ.get("HPU_STANDIN_DEVICES", "8"))
 
 
 def synchronize() -> None:
