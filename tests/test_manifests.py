@@ -165,10 +165,14 @@ def test_gaudi_device_plugin_addon_targets_the_training_nodes(tmp_path):
                  "template": {"metadata": {"labels": {"name": "plugin"}},
                               "spec": {"containers": [{"name": "plugin", "image": "stand-in:1"}]}}},
     }
-    (work / "stand-in.yaml").write_text(yaml.safe_dump(stand_in))
+    namespace = {"apiVersion": "v1", "kind": "Namespace",      # unlabelled, as Habana's
+                 "metadata": {"name": "habana-system"}}
+    (work / "stand-in.yaml").write_text(yaml.safe_dump_all([namespace, stand_in]))
     body["resources"] = ["stand-in.yaml"]
     (work / "kustomization.yaml").write_text(yaml.safe_dump(body))
-    (daemonset,) = kustomize(work)
+    built_ns, daemonset = sorted(kustomize(work), key=lambda d: d["kind"] != "Namespace")
+    overlay = find(built("gaudi"), "Namespace", "habana-system")
+    assert built_ns["metadata"]["labels"] == overlay["metadata"]["labels"]   # apply order-proof
     validate_core(daemonset)
     assert daemonset["metadata"]["name"] == "habanalabs-device-plugin-daemonset"
     pod = daemonset["spec"]["template"]["spec"]
