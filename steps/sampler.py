@@ -241,7 +241,7 @@ def augment(images: torch.Tensor, labels: torch.Tensor, seed: int,
         zoomed, zoomed_labels = _zoom(images.index_select(0, rows),
                                       labels.index_select(0, rows), scale[zoom])
         images.index_copy_(0, rows, zoomed)
-        labels.index_copy_(0, rows, zoomed_labels)
+        labels.index_copy_(0, rows, zoomed_labels.to(labels.dtype))
     noisy, std = picked(0.15), _uniform(gen, n, 0.0, 0.33)
     if noisy:
         shape = (len(noisy),) + tuple(images.shape[1:])

@@ -314,13 +314,16 @@ def forwards(net: torch.nn.Module, info: devices.DeviceInfo, world: int):
 def device_batch(images: torch.Tensor, labels: torch.Tensor, info: devices.DeviceInfo,
                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A host batch on the device, augmented there; in lazy mode the augmentation is
-    flushed as a graph of its own, so the model's graph stays one shape step after step."""
+    flushed as a graph of its own, so the model's graph stays one shape step after step.
+    On an HPU the labels are augmented as int32 (Gaudi's int64 support is limited, its
+    best-practice guide says) and widened once for the loss."""
     from steps.sampler import augment
 
-    images, labels = augment(devices.to_device(images, info), labels.to(info.device), seed,
+    on_device = labels.to(info.device, dtype=torch.int32 if info.kind == "hpu" else None)
+    images, labels = augment(devices.to_device(images, info), on_device, seed,
                              devices.device_generator(info, seed), inplace=True)
     devices.mark_step(info)
-    return images, labels
+    return images, labels.long()
 
 
 def train_step(forward, loss_fn, optimizer, scheduler, scaler, info: devices.DeviceInfo,

@@ -493,3 +493,28 @@ def test_device_check_fails_on_losses_outside_the_parity_bound(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr[-3000:]
     assert "first losses differ from fp32 CPU" in done.stdout
     assert done.stdout.strip().endswith("device_check: FAILED (cpu)")
+
+
+def test_hpu_labels_are_augmented_as_int32_and_widened_for_the_loss(monkeypatch):
+    """Gaudi's int64 support is limited (Intel Gaudi docs, "Best Practices for Model Training
+    on Gaudi": int64 computations and indexes): the augmentation's index_copy_ sees int32."""
+    from steps import sampler
+    from steps.devices import DeviceInfo
+    from steps.train import device_batch
+
+    seen = []
+    real = sampler.augment
+
+    def spy(images, labels, *args, **kwargs):
+        seen.append(labels.dtype)
+        return real(images, labels, *args, **kwargs)
+
+    monkeypatch.setattr(sampler, "augment", spy)
+    images = torch.randn(4, 4, 16, 16)
+    labels = torch.randint(0, 4, (4, 16, 16))
+    hpu = DeviceInfo(kind="hpu", device=torch.device("cpu"), dtype=None, hpu_mode="compile")
+    cpu = DeviceInfo(kind="cpu", device=torch.device("cpu"), dtype=None)
+    _, out_hpu = device_batch(images.clone(), labels.clone(), hpu, 3)
+    _, out_cpu = device_batch(images.clone(), labels.clone(), cpu, 3)
+    assert seen == [torch.int32, torch.int64]
+    assert out_hpu.dtype == out_cpu.dtype == torch.int64 and torch.equal(out_hpu, out_cpu)
