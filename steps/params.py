@@ -14,9 +14,11 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable
 
 from steps import uris
+from steps.errors import OneLineArgumentParser
 
 DEVICE_KINDS = ("auto", "hpu", "cuda", "cpu")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -204,7 +206,6 @@ def by_name(params: Iterable[Param]) -> dict[str, Param]:
 def step_parser(step: str, doc: str, reads: dict[str, str], writes: dict[str, str],
                 epilog: str | None = None) -> argparse.ArgumentParser:
     """A step's command line: its artifact directories, then its parameters from STEPS."""
-    from steps.errors import OneLineArgumentParser
     parser = OneLineArgumentParser(prog=f"python -m steps.{step}",
                                    description=doc.split("\n\n")[0], epilog=epilog)
     add_artifacts(parser, reads, writes)
@@ -215,7 +216,6 @@ def step_parser(step: str, doc: str, reads: dict[str, str], writes: dict[str, st
 def add_artifacts(parser: argparse.ArgumentParser, reads: dict[str, str],
                   writes: dict[str, str]) -> None:
     """``--<name> DIR`` for each input and output artifact, with what it holds."""
-    from pathlib import Path
     for name, what in reads.items():
         parser.add_argument(f"--{name}", required=True, type=Path, metavar="DIR",
                             help=f"input `{name}` artifact directory: {what}")

@@ -64,7 +64,7 @@ from tqdm import tqdm
 from steps import limits, nifti, params
 from steps.artifacts import inside, publish, require
 from steps.dataset import DATASET_JSON, FORMAT_VERSION, kfold_split, torch_view
-from steps.errors import OneLineArgumentParser, StepError, run_main
+from steps.errors import StepError, run_main
 
 CASES_DIR = "cases"
 # Image and label affines are float32 in the header; 1e-3 mm is far below any voxel size
@@ -450,19 +450,12 @@ def parse_patch(text: str) -> tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineArgumentParser(
-        prog="python -m steps.preprocess",
-        description="Turn the 'raw' MSD task (NIfTI) into the 'dataset' artifact: foreground "
-                    "crop, channel-wise z-score, (C, D, H, W) image and (D, H, W) label .npy "
-                    "per case, dataset.json with spacing, statistics and the fold split (up to 5 folds).")
-    parser.add_argument("--raw", required=True, type=Path,
-                        help="input 'raw' artifact directory (MANIFEST.json and "
-                             "Task01_BrainTumour/ or one other task directory with a "
-                             "dataset.json)")
-    parser.add_argument("--dataset", required=True, type=Path,
-                        help="output 'dataset' artifact directory (absent or empty)")
-    params.add_arguments(parser, params.PREPROCESS)
-    return parser
+    return params.step_parser(
+        "preprocess", __doc__,
+        {"raw": "MANIFEST.json and Task01_BrainTumour/ or one other task directory with a "
+                "dataset.json"},
+        {"dataset": "(C, D, H, W) image and (D, H, W) label .npy per case, dataset.json with "
+                    "spacing, statistics and the fold split (up to 5 folds)"})
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -80,18 +80,21 @@ class Calibration:
     digest: str
 
 
+def _centred(extent: int, size: int) -> int:
+    """Offset of a centred ``size`` window over ``extent`` (negative: padding before)."""
+    return (extent - size) // 2 if extent >= size else -((size - extent) // 2)
+
+
 def patch_window(image: np.ndarray, patch: tuple[int, int]) -> np.ndarray:
     """(C, H, W) centre-cropped, then padded with the background fill, to ``patch``."""
-    fill = predict.background_fill(image[:, None])
-    out = np.empty((image.shape[0], *patch), dtype=np.float32)
-    out[:] = fill.reshape(-1, 1, 1)
-    src, dst = [], []
-    for size, want in zip(image.shape[1:], patch):
-        n = min(size, want)
-        src.append(slice((size - n) // 2, (size - n) // 2 + n))
-        dst.append(slice((want - n) // 2, (want - n) // 2 + n))
-    out[:, dst[0], dst[1]] = image[:, src[0], src[1]]
-    return out
+    import torch
+    from steps.sampler import pad_crop_2d
+
+    fill = torch.from_numpy(predict.background_fill(image[:, None])).view(-1, 1, 1)
+    out = torch.empty((image.shape[0], *patch), dtype=torch.float32)
+    pad_crop_2d(torch.from_numpy(image), _centred(image.shape[1], patch[0]),
+                _centred(image.shape[2], patch[1]), patch, fill, out)
+    return out.numpy()
 
 
 def calibration_set(cases: list[Case], n: int, seed: int,

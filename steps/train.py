@@ -40,7 +40,7 @@ from steps import devices, limits, params, uris
 from steps.artifacts import manifest_digest, publish, write_outputs
 from steps.checkpoints import CheckpointStore, best_name, serialize
 from steps.dataset import check_values, fold_names, open_cases, read_metadata
-from steps.errors import OneLineArgumentParser, StepError, run_main
+from steps.errors import StepError, run_main
 
 STEP = "train"
 MODEL_FORMAT_VERSION = 1
@@ -51,17 +51,14 @@ _CHECKED_ENV = "STEPS_TRAIN_INPUTS_CHECKED"   # set by relaunch: the parent hash
 # ------------------------------------------------------------------------------- CLI
 
 def build_parser() -> argparse.ArgumentParser:
-    """The artifact and wiring flags, then every parameter of ``steps.params.TRAIN``."""
-    p = OneLineArgumentParser(prog="python -m steps.train",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("--dataset", required=True, help="input `dataset` artifact directory")
-    p.add_argument("--model", required=True, help="output `model` artifact directory (empty)")
+    """The artifact flags and every parameter of ``steps.params.TRAIN``, then the wiring."""
+    p = params.step_parser(STEP, __doc__, {"dataset": "the preprocessed cases and their folds"},
+                           {"model": "checkpoints, metrics and the training report"})
     p.add_argument("--nodes", type=int, default=1,
                    help="nodes of a multi-node job, each started by torch.distributed.run "
                         "(a PyTorchJob); WORLD_SIZE must be nodes x devices (default: 1)")
     p.add_argument("--checkpoint-uri", default="",
                    help="s3://bucket/prefix or a local directory for checkpoints; empty = none")
-    params.add_arguments(p.add_argument_group("parameters"), params.TRAIN)
     return p
 
 
@@ -214,23 +211,26 @@ def set_rng_state(state: dict[str, Any], info: devices.DeviceInfo) -> None:
 
 # ----------------------------------------------------------------------- validation
 
-def _pad_to_multiple(x: torch.Tensor, multiple: int, fill: torch.Tensor) -> torch.Tensor:
-    """Pad (N, C, H, W) at the bottom/right to multiples of ``multiple`` with ``fill`` (C,)."""
-    h, w = x.shape[-2:]
-    ph, pw = -h % multiple, -w % multiple
-    if not ph and not pw:
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _pad_to(x: torch.Tensor, rows: int, shape: tuple[int, int],
+            fill: torch.Tensor) -> torch.Tensor:
+    """(n, C, h, w) → (rows, C, *shape) at the bottom/right, the new area filled with
+    ``fill`` (C,); ``x`` itself when there is nothing to add."""
+    if (rows, *shape) == (x.shape[0], *x.shape[2:]):
         return x
-    out = fill.view(1, -1, 1, 1).expand(x.shape[0], -1, h + ph, w + pw).clone()
-    out[..., :h, :w] = x
+    out = fill.view(1, -1, 1, 1).expand(rows, x.shape[1], *shape).clone()
+    out[:x.shape[0], :, :x.shape[2], :x.shape[3]] = x
     return out
 
 
 def static_shape(cases, multiple: int) -> tuple[int, int]:
     """The largest (H, W) over ``cases``, rounded up to ``multiple``: one shape for every
     validation forward pass on a graph-compiling device."""
-    height = max(case.image.shape[2] for case in cases)
-    width = max(case.image.shape[3] for case in cases)
-    return -(-height // multiple) * multiple, -(-width // multiple) * multiple
+    return (_round_up(max(case.image.shape[2] for case in cases), multiple),
+            _round_up(max(case.image.shape[3] for case in cases), multiple))
 
 
 @torch.no_grad()
@@ -245,26 +245,18 @@ def predict_volume(forward, image: np.ndarray, info: devices.DeviceInfo, batch: 
     channels, depth, height, width = image.shape
     fill = torch.from_numpy(np.asarray(image[:, 0:1], dtype=np.float32)
                             .reshape(channels, -1).min(axis=1))
+    target = shape or (_round_up(height, multiple), _round_up(width, multiple))
     preds = []
     for start in range(0, depth, batch):
         x = torch.from_numpy(np.ascontiguousarray(
             np.asarray(image[:, start:start + batch], dtype=np.float32).transpose(1, 0, 2, 3)))
         n = x.shape[0]
-        x = _pad_to_multiple(x, multiple, fill) if shape is None else _pad_to(x, batch, shape,
-                                                                               fill)
+        x = _pad_to(x, batch if shape else n, target, fill)
         with info.autocast():
             logits = forward(devices.to_device(x, info))
         preds.append(logits[:n, :, :height, :width].argmax(dim=1).to("cpu", torch.uint8))
         devices.mark_step(info)
     return torch.cat(preds)
-
-
-def _pad_to(x: torch.Tensor, batch: int, shape: tuple[int, int],
-            fill: torch.Tensor) -> torch.Tensor:
-    """(n, C, h, w) → (batch, C, *shape), the new area filled with ``fill`` (C,)."""
-    out = fill.reshape(1, -1, 1, 1).expand(batch, x.shape[1], *shape).clone()
-    out[:x.shape[0], :, :x.shape[2], :x.shape[3]] = x
-    return out
 
 
 def evaluate(forward, cases, info, batch: int, multiple: int, n_classes: int,
