@@ -12,13 +12,13 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks import (allocator, common, growth, handoff, loader, onnxrt, orchestration,
-                        precision, preprocess, quantize, trainstep)
+from benchmarks import (allocator, common, gpu, growth, handoff, loader, onnxrt,
+                        orchestration, precision, preprocess, quantize, trainstep)
 
 BENCHMARKS = {"preprocess": preprocess, "loader": loader, "train": trainstep,
               "handoff": handoff, "onnx": onnxrt, "orchestration": orchestration,
               "growth": growth, "allocator": allocator, "precision": precision,
-              "quantize": quantize}
+              "quantize": quantize, "gpu": gpu}
 RESULTS = Path(__file__).parent / "results"
 
 

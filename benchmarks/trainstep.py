@@ -1,5 +1,6 @@
 """3. Train step: img/s of ours vs MONAI DynUNet + the anchors' loss in a plain loop, on the CPU
-(batch 16, fp32) and, where CUDA is available, on the GPU (batch 64, mixed precision).
+(batch 16, fp32); :func:`gpu_rows` does the same on a GPU (batch 64, mixed precision) for
+benchmark 11 (``gpu``).
 
 Ours: steps.model's network, steps.losses.DeepSupervisionLoss, steps.devices' optimizer and
 steps.train.train_step, fed by steps.sampler (sample + augment). Baseline: a DynUNet built
@@ -15,7 +16,7 @@ import warnings
 
 import numpy as np
 
-from benchmarks.common import Row, Settings, dataset_dir, gpu_rows_device, in_child, step_env
+from benchmarks.common import Row, Settings, dataset_dir, in_child, step_env
 
 NVIDIA_A100_AMP_IMG_S = 1238.68   # NVIDIA nnUNet 2D, 1x A100 80G, AMP, batch 64
 NVIDIA_CARD = "1x A100 80G, AMP, batch 64"
@@ -43,8 +44,8 @@ def _throughput(step, make_batch, steps: int, batch: int, info) -> tuple[float, 
 
 
 def _device(device: str):
-    """(steps.devices' choice for ``device``, its GradScaler) as steps.train makes them: fp32
-    on the CPU, mixed precision and cuDNN autotuning on a GPU."""
+    """(steps.devices' choice for ``device``, its GradScaler): fp32 on the CPU, mixed
+    precision and cuDNN autotuning on a GPU, for both sides."""
     import torch
     from steps import devices
 
@@ -65,8 +66,7 @@ def run_ours(dataset, patch, batch: int, steps: int, filters: int, levels: int,
     from steps.train import train_step
 
     info, scaler = _device(device)
-    if info.kind == "cpu":
-        torch.use_deterministic_algorithms(True)     # as steps.train does on CPU
+    devices.configure_backends(info)             # as steps.train does
     torch.manual_seed(0)
     net = devices.prepare_model(build_model(ModelConfig(base_filters=filters, levels=levels)),
                                 info).train()
@@ -79,7 +79,8 @@ def run_ours(dataset, patch, batch: int, steps: int, filters: int, levels: int,
     def make_batch(i: int):         # as steps.train: sampled on the host, augmented on device
         images, labels = sampler(i)
         seed = torch_seed(0, i, 0)
-        return augment(devices.to_device(images, info), labels.to(info.device), seed,
+        return augment(devices.to_device(images, info),
+                       devices.host_to_device(labels, info.device), seed,
                        devices.device_generator(info, seed), inplace=True)
 
     def step(images, labels):
@@ -161,31 +162,23 @@ def run(settings: Settings) -> dict:
                      "compute_only": [min(r[1] for r in rounds[side]),
                                       max(r[1] for r in rounds[side])]}
               for side in rounds}
-    gpu_rows, gpu_details = _gpu_rows(settings)
     rows = [Row("train step", "img/s end to end (data included)", "img/s", ours_e2e, base_e2e,
                 "MONAI DynUNet + DiceLoss+CE, plain loop, MONAI loader"),
             Row("train step", "img/s compute only", "img/s", ours_compute, base_compute,
-                "MONAI DynUNet + DiceLoss+CE, plain loop"),
-            *gpu_rows]
+                "MONAI DynUNet + DiceLoss+CE, plain loop")]
     return {"rows": rows, "details": {
         "batch": settings.batch, "patch": list(settings.patch), "steps": settings.train_steps,
         "threads": threads, "precision": "fp32", "ours_env": env,
         "rounds": settings.train_rounds, "img_s_by_round": rounds, "min_max": spread,
         "allocator": "glibc malloc (no LD_PRELOAD); ours with the pipeline's step env",
         "network": {"base_filters": settings.base_filters, "levels": settings.levels},
-        **gpu_details,
+        "gpu": "benchmark 11 (gpu)",
     }}
 
 
-def _gpu_rows(settings: Settings) -> tuple[list[Row], dict]:
-    """Batch 64 (the anchors' and NVIDIA's) in mixed precision on the GPU, ours vs the MONAI
-    loop, and ours vs NVIDIA's published figure; with --smoke the same code on the CPU."""
-    reference = {"nvidia_published_img_s": NVIDIA_A100_AMP_IMG_S, "card": NVIDIA_CARD}
-    chosen = gpu_rows_device(settings)
-    if chosen is None:
-        return [], {"gpu_reference": {**reference, "measured_here": None,
-                                      "why": "no GPU on this machine"}}
-    device, name = chosen
+def gpu_rows(settings: Settings, device: str, name: str) -> tuple[list[Row], dict]:
+    """Batch 64 (the anchors' and NVIDIA's) in mixed precision on ``device``, ours vs the
+    MONAI loop, and ours vs NVIDIA's published figure (benchmark ``gpu`` calls this)."""
     args = (settings.patch, settings.gpu_batch, settings.gpu_train_steps,
             settings.base_filters, settings.levels, device)
     (base_e2e, base_compute), _ = in_child(run_baseline, dataset_dir(settings, "anchor"), *args)
@@ -199,6 +192,6 @@ def _gpu_rows(settings: Settings) -> tuple[list[Row], dict]:
     if device == "cuda":
         rows.append(Row("train step", f"img/s end to end, {where}", "img/s", ours_e2e,
                         NVIDIA_A100_AMP_IMG_S, f"NVIDIA's published figure ({NVIDIA_CARD})"))
-    return rows, {"gpu_reference": {**reference, "measured_here": ours_e2e, "device": name,
-                                    "batch": settings.gpu_batch,
-                                    "steps": settings.gpu_train_steps}}
+    return rows, {"nvidia_published_img_s": NVIDIA_A100_AMP_IMG_S, "card": NVIDIA_CARD,
+                  "ours_img_s": [ours_e2e, ours_compute],
+                  "monai_img_s": [base_e2e, base_compute], "steps": settings.gpu_train_steps}

@@ -4,10 +4,11 @@
 
 On a Gaudi node (or inside the Gaudi image), a GPU, or a CPU, it trains the anchors'
 network on synthetic 2D slices of one fixed shape, as ``steps.train`` does (the same device
-selection, compile-then-DDP order, autocast and train step), for every mode the device has
-(an HPU: compile and lazy, each in a process of its own, since Habana's bridge fixes its
-mode when it is imported; CUDA and CPU: one), on 1 device and, with ``--devices N``, on N
-under ``torch.distributed.run`` (hccl, nccl or gloo). Each row reports:
+selection, backend settings, compile-then-DDP order, autocast and train step), for every
+mode the device has, each in a process of its own (an HPU: compile and lazy, since Habana's
+bridge fixes its mode when it is imported; CUDA: eager, as ``steps.train`` runs, and
+``torch.compile``; CPU: eager), on 1 device and, with ``--devices N``, on N under
+``torch.distributed.run`` (hccl, nccl or gloo). Each row reports:
 
 - img/s after the warm-up steps;
 - graph compiles after the warm-up and at the end (Habana's ``graph_compilation`` metric on
@@ -35,6 +36,7 @@ from steps.errors import OneLineArgumentParser, run_main
 
 MARK = "device_check_result="
 PARITY_STEPS = 5
+MODES = {"hpu": params.HPU_MODES[:2], "cuda": ("eager", "compile"), "cpu": ("eager",)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,14 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------------------ a run
 
-def _batches(args: argparse.Namespace):
-    """The same batches on every rank, so that N devices take exactly the single device's
-    steps and every row compares with the one CPU reference."""
+def _batches(args: argparse.Namespace, info) -> list[tuple[Any, Any]]:
+    """PARITY_STEPS batches, the same on every rank (so that N devices take exactly the
+    single device's steps and every row compares with the one CPU reference), placed on the
+    device once: the steps then cycle through them, and img/s is the device's own rate."""
     import torch
+    from steps import devices
     gen = torch.Generator().manual_seed(1234)
-    for _ in range(args.steps):
-        yield (torch.randn(args.batch, 4, args.size, args.size, generator=gen),
-               torch.randint(0, 4, (args.batch, args.size, args.size), generator=gen))
+    return [(devices.to_device(torch.randn(args.batch, 4, args.size, args.size, generator=gen),
+                               info),
+             torch.randint(0, 4, (args.batch, args.size, args.size), generator=gen)
+             .to(info.device)) for _ in range(PARITY_STEPS)]
 
 
 def compiles(info) -> int:
@@ -86,17 +91,19 @@ def train_losses(args: argparse.Namespace, info, world: int) -> dict[str, Any]:
     from steps.model import ModelConfig, build_model
     from steps.train import forwards, train_step
 
+    devices.configure_backends(info)
     torch.manual_seed(0)
     net = devices.prepare_model(build_model(ModelConfig(base_filters=args.filters,
                                                         levels=args.levels)), info)
-    train_forward, _ = forwards(net, info, world)
+    train_forward, _ = forwards(net, info, world, compile_cuda=args.worker == "compile")
     optimizer = devices.make_optimizer("adamw", net.parameters(), 1e-3, 0.0, info)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     scaler = torch.amp.GradScaler("cuda", enabled=info.needs_grad_scaler())
+    batches = _batches(args, info)
     losses, warm, start = [], 0, time.perf_counter()
-    for step, (x, y) in enumerate(_batches(args)):
+    for step in range(args.steps):
         loss = train_step(train_forward, DeepSupervisionLoss(), optimizer, scheduler, scaler,
-                          info, devices.to_device(x, info), y.to(info.device))
+                          info, *batches[step % PARITY_STEPS])
         if step < PARITY_STEPS:
             losses.append(float(loss))
         if step + 1 == args.warmup:
@@ -118,10 +125,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         devices.init_distributed(info)
     result = train_losses(args, info, world)
     lazy = devices.lazy_mode_in_effect() if info.kind == "hpu" else None
-    result.update(kind=info.kind, precision=info.precision, devices=world,
-                  mode=args.worker if info.kind == "hpu" else "eager",
+    result.update(kind=info.kind, precision=info.precision, devices=world, mode=args.worker,
                   mode_in_effect=("lazy" if lazy else "compile") if lazy is not None else
-                  ("eager" if info.kind != "hpu" else "unknown"))
+                  "unknown" if info.kind == "hpu" else args.worker)
     if world > 1:
         import torch.distributed as dist
         dist.destroy_process_group()
@@ -165,9 +171,11 @@ def verdict(row: dict[str, Any], reference: list[float], bound: float) -> list[s
 def check(args: argparse.Namespace) -> int:
     from steps import devices
     kind = devices.resolve_kind(args.device)
-    modes = params.HPU_MODES[:2] if kind == "hpu" else ("compile",)
-    cpu = argparse.Namespace(**{**vars(args), "device": "cpu", "precision": "fp32"})
-    reference = spawn(cpu, "compile", 1)
+    modes = MODES[kind]
+    # The reference only gives the first losses: it runs just those steps.
+    cpu = argparse.Namespace(**{**vars(args), "device": "cpu", "precision": "fp32",
+                                "steps": min(args.steps, PARITY_STEPS), "warmup": 1})
+    reference = spawn(cpu, "eager", 1)
     if "failed" in reference:
         print(f"error: device_check: the fp32 CPU reference run failed: {reference['failed']}",
               file=sys.stderr)

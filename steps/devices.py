@@ -30,6 +30,10 @@ from steps.errors import StepError
 from steps.params import DEVICE_KINDS, HPU_MODES, OPTIMIZERS, PRECISIONS
 
 BACKENDS = {"hpu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+# channels_last on CUDA lost to the contiguous layout in interleaved A/B runs of our train
+# step on an H200 (eager, bf16, batch 64: 1701 vs 2136 img/s compute only; DynUNet's
+# instance norm): off. benchmarks.gpu.layout_ab measures it again on every GPU run.
+CUDA_CHANNELS_LAST = False
 JEMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
                   "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
@@ -200,10 +204,32 @@ def wrap_ddp(model: torch.nn.Module, info: DeviceInfo) -> torch.nn.Module:
     return DDP(model)
 
 
+def configure_backends(info: DeviceInfo) -> None:
+    """Process-wide kernel choices of a training run: deterministic kernels on the CPU (the
+    result does not depend on the thread count), cuDNN's autotuner on CUDA (one shape
+    throughout, so it tunes once)."""
+    if info.kind == "cpu":
+        torch.use_deterministic_algorithms(True)
+    elif info.kind == "cuda":
+        torch.backends.cudnn.benchmark = True
+
+
+def host_to_device(tensor: torch.Tensor, device: torch.device,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host tensor on the device without stalling the host: on CUDA a copy from
+    pageable memory (or a blocking one) waits for every kernel queued before it, so the
+    tensor goes through pinned memory and the copy stays in the stream's order."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device, dtype)
+    if not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, dtype, non_blocking=True)
+
+
 def prepare_model(model: torch.nn.Module, info: DeviceInfo) -> torch.nn.Module:
-    """Move ``model`` to the device (channels_last on CUDA)."""
+    """Move ``model`` to the device (channels_last on CUDA if :data:`CUDA_CHANNELS_LAST`)."""
     model = model.to(info.device)
-    if info.kind == "cuda":
+    if info.kind == "cuda" and CUDA_CHANNELS_LAST:
         model = model.to(memory_format=torch.channels_last)
     return model
 
@@ -221,9 +247,9 @@ def compile_for_device(module: torch.nn.Module, info: DeviceInfo,
 
 
 def to_device(tensor: torch.Tensor, info: DeviceInfo) -> torch.Tensor:
-    """Host batch → device; channels_last for 4D images on CUDA."""
-    tensor = tensor.to(info.device, non_blocking=info.kind == "cuda")
-    if info.kind == "cuda" and tensor.dim() == 4:
+    """Host batch → device (4D images channels_last on CUDA if :data:`CUDA_CHANNELS_LAST`)."""
+    tensor = host_to_device(tensor, info.device)
+    if info.kind == "cuda" and CUDA_CHANNELS_LAST and tensor.dim() == 4:
         tensor = tensor.contiguous(memory_format=torch.channels_last)
     return tensor
 

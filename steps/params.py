@@ -133,6 +133,8 @@ TRAIN = (
     Param("hpu_mode", str, "compile", choices=HPU_MODES,
           help="Gaudi execution: torch.compile(hpu_backend) with PT_HPU_LAZY_MODE=0, lazy "
                "mode with mark_step, or eager"),
+    Param("cuda_compile", bool, False,
+          help="torch.compile the network on a CUDA GPU (elsewhere: no effect)"),
     Param("num_workers", int, 2, ge=0,
           help="DataLoader worker processes building batches (0: in process)"),
     Param("base_filters", int, 32, ge=1,

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from steps.dataset import Case, torch_view
+from steps.devices import host_to_device
 
 FOREGROUND_P = 0.33
 FLIP_P = 0.33                # each of the two in-plane axes
@@ -185,7 +186,7 @@ def _zoom(images: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor):
     """Zoom in by ``1/scale`` (N,) about the centre: bilinear for images, nearest for labels."""
     n, _, h, w = images.shape
     grid = _base_grid(h, w, images.device, images.dtype)[None] * \
-        scale.to(images.device, images.dtype).view(n, 1, 1, 1)
+        host_to_device(scale, images.device, images.dtype).view(n, 1, 1, 1)
     images = F.grid_sample(images, grid, mode="bilinear", padding_mode="border",
                            align_corners=False)
     labels = F.grid_sample(labels[:, None].to(images.dtype), grid, mode="nearest",
@@ -237,7 +238,7 @@ def augment(images: torch.Tensor, labels: torch.Tensor, seed: int,
 
     zoom, scale = picked(0.15), _uniform(gen, n, 0.7, 1.0)
     if zoom:
-        rows = torch.tensor(zoom, device=device)
+        rows = host_to_device(torch.tensor(zoom), device)
         zoomed, zoomed_labels = _zoom(images.index_select(0, rows),
                                       labels.index_select(0, rows), scale[zoom])
         images.index_copy_(0, rows, zoomed)
@@ -245,7 +246,8 @@ def augment(images: torch.Tensor, labels: torch.Tensor, seed: int,
     noisy, std = picked(0.15), _uniform(gen, n, 0.0, 0.33)
     if noisy:
         shape = (len(noisy),) + tuple(images.shape[1:])
-        noise = torch.empty(shape).normal_(generator=gen).to(device) if noise_generator is None \
+        noise = host_to_device(torch.empty(shape).normal_(generator=gen), device) \
+            if noise_generator is None \
             else torch.empty(shape, device=device).normal_(generator=noise_generator)
         for i, sample_noise in zip(noisy, noise.to(images.dtype)):
             images[i].add_(sample_noise, alpha=float(std[i]))

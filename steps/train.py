@@ -22,6 +22,7 @@ logs and writes.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -296,10 +297,11 @@ def lr_factor(step: int, total: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(step, total) / max(total, 1)))
 
 
-def forwards(net: torch.nn.Module, info: devices.DeviceInfo, world: int):
+def forwards(net: torch.nn.Module, info: devices.DeviceInfo, world: int,
+             compile_cuda: bool = False):
     """(train, eval) callables: the network compiled first and then wrapped in DDP, as
     Habana's reference orders them; validation uses the compiled network unwrapped."""
-    compiled = devices.compile_for_device(net, info)
+    compiled = devices.compile_for_device(net, info, compile_cuda)
     return (devices.wrap_ddp(compiled, info) if world > 1 else compiled), compiled
 
 
@@ -311,7 +313,8 @@ def device_batch(images: torch.Tensor, labels: torch.Tensor, info: devices.Devic
     best-practice guide says) and widened once for the loss."""
     from steps.sampler import augment
 
-    on_device = labels.to(info.device, dtype=torch.int32 if info.kind == "hpu" else None)
+    on_device = devices.host_to_device(labels, info.device,
+                                       torch.int32 if info.kind == "hpu" else None)
     images, labels = augment(devices.to_device(images, info), on_device, seed,
                              devices.device_generator(info, seed), inplace=True)
     devices.mark_step(info)
@@ -383,10 +386,7 @@ class Trainer:
         self.info = devices.select_device(plan.kind, args.precision, args.hpu_mode, local_rank)
         if world > 1:
             devices.init_distributed(self.info)
-        if self.info.kind == "cpu":
-            torch.use_deterministic_algorithms(True)
-        elif self.info.kind == "cuda":
-            torch.backends.cudnn.benchmark = True
+        devices.configure_backends(self.info)
         torch.manual_seed(args.seed)   # identical initial weights on every rank
         self.n_classes = len(plan.meta["labels"])
         self.multiple = plan.model_config.size_multiple()
@@ -400,7 +400,8 @@ class Trainer:
         self.total_steps = self.steps_per_epoch * args.max_epochs
 
         self.net = devices.prepare_model(build_model(plan.model_config), self.info)
-        self.train_forward, self.eval_forward = forwards(self.net, self.info, world)
+        self.train_forward, self.eval_forward = forwards(self.net, self.info, world,
+                                                         args.cuda_compile)
         self.val_shape = static_shape(self.val_cases, plan.model_config.size_multiple()) \
             if self.info.kind == "hpu" else None
         self.loss_fn = DeepSupervisionLoss()
@@ -412,6 +413,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.info.needs_grad_scaler())
         self.store = CheckpointStore(args.checkpoint_uri) if args.checkpoint_uri else None
         self.progress = Progress()
+        self.batches = None           # the run's batch iterator, made at its first epoch
         self.best_state = None
         if plan.resume_state is not None:
             self._restore(plan.resume_state, plan.resume_uri)
@@ -448,6 +450,8 @@ class Trainer:
 
     # -- loop -----------------------------------------------------------------------------
     def _loader(self, first_step: int, n_steps: int):
+        """Batches of steps ``first_step`` onwards: one loader for the rest of the run, so
+        its workers start once and keep building batches while validation runs."""
         from steps.sampler import StepDataset
 
         dataset = StepDataset(self.sampler, first_step, n_steps, self.rank)
@@ -469,7 +473,9 @@ class Trainer:
         start = last_ckpt = time.monotonic()
         images_done = 0
         loss_sum = torch.zeros((), device=info.device)
-        for images, labels in self._loader(p.step, remaining):
+        if self.batches is None:
+            self.batches = iter(self._loader(p.step, self.total_steps - p.step))
+        for images, labels in itertools.islice(self.batches, remaining):
             seed = torch_seed(args.seed, p.step, self.rank)
             images, labels = device_batch(images, labels, info, seed)
             loss = train_step(self.train_forward, self.loss_fn, self.optimizer, self.scheduler,
@@ -532,6 +538,7 @@ class Trainer:
                 print(f"epoch {p.epoch}: loss {record['loss']:.4f} mean Dice "
                       f"{record['mean_dice']:.4f} {record['img_per_s']:.1f} img/s",
                       file=sys.stderr)
+        self.batches = None   # stops the loader's workers (early stopping leaves batches)
         if not validated:   # resumed after the last epoch: validate once for the overlays
             _, samples = self.validate()
         return samples

@@ -14,7 +14,7 @@ from benchmarks.common import Row
 pytestmark = pytest.mark.slow  # runs the benchmarks' smoke mode and whole pipelines
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["preprocess", "loader", "train", "handoff", "onnx", "growth", "quantize"]
+FAST = ["preprocess", "loader", "train", "handoff", "onnx", "growth", "quantize", "gpu"]
 
 
 def _smoke(names: list[str], tmp_path: Path) -> dict:
@@ -43,10 +43,16 @@ def test_smoke_runs_every_fast_benchmark(tmp_path):
     machine = report["machine"]
     assert machine["cores"] >= 1 and machine["cpu_model"]
     assert machine["versions"]["torch"] and len(machine["load_average_end"]) == 3
-    # The GPU rows' code (device-side augmentation, batch-64 mixed-precision training) runs
-    # on the CPU in --smoke, so it is exercised on a machine without a GPU.
-    for name, what in (("loader", "augmentation on cpu"), ("train", ", cpu (")):
-        assert any(what in row["metric"] for row in report["benchmarks"][name]["rows"]), name
+    # The GPU benchmark's code (steps.train's epoch with its input wait, the layout A/B,
+    # device-side augmentation, batch-64 mixed-precision training) runs on the CPU in
+    # --smoke, so it is exercised on a machine without a GPU.
+    gpu_rows = [row["metric"] for row in report["benchmarks"]["gpu"]["rows"]]
+    for what in ("steps.train epoch img/s, eager", "torch.compile", "channels_last",
+                 "augmentation on cpu", "img/s compute only, batch 4, cpu ("):
+        assert any(what in metric for metric in gpu_rows), what
+    epochs = report["benchmarks"]["gpu"]["details"]["epochs"]
+    assert all(0 <= e["host_wait_share"] < 1 and e["gpu_wait_share"] is None
+               for e in epochs.values())
     details = report["benchmarks"]["preprocess"]["details"]
     assert details["anchor_mode_labels_equal"]
     assert details["anchor_mode_max_abs_diff_image"] < 1e-3   # same algorithm, float32

@@ -105,6 +105,7 @@ CHANGED = {
     "preprocess": {"workers": 3, "image_dtype": "float32", "mode": "anchor",
                    "patch_size": "128x96"},
     "train": {"device": "cpu", "devices": 2, "precision": "fp32", "hpu_mode": "lazy",
+              "cuda_compile": True,
               "num_workers": 5, "base_filters": 16, "levels": 5, "norm": "batch",
               "deep_supervision": False, "batch_size": 12, "val_batch_size": 7,
               "learning_rate": 0.002, "weight_decay": 0.03, "optimizer": "sgd",
