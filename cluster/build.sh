@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# Build the single-node cluster's binaries and images from the Go module proxy and Debian's
+# packages into a version-keyed cache: ~/.cache/unet-cluster/<component>-<version>/.
+# Nothing is built inside this repository. A stage whose folder has .done is skipped.
+#   bash cluster/build.sh [etcd|kubernetes|images|argo|argoexec-image ...]   (default: all, in order)
+# Heavy work runs under `nice -n 19`; each stage's wall time and size go to $CACHE/build-times.tsv.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+source "$here/lib.sh"
+NICE=(nice -n 19)
+mkdir -p "$CACHE"
+
+# run_stage NAME DIR FUNC: skip when DIR/.done exists, else time FUNC and record it.
+run_stage() {
+  local name="$1" dir="$2" fn="$3" t0
+  if [[ -f "$dir/.done" ]]; then log "$name: cached in $dir"; return; fi
+  log "$name: building into $dir"
+  rm -rf "$dir"; mkdir -p "$dir/bin"
+  t0=$(date +%s)
+  "$fn" "$dir"
+  touch "$dir/.done"
+  local secs=$(( $(date +%s) - t0 ))
+  printf '%s\t%s\t%ss\t%s\t%s\n' "$(date -u +%FT%TZ)" "$name" "$secs" "$(du -sh "$dir" | cut -f1)" \
+    "$(lscpu | sed -n 's/^Model name: *//p')" >> "$CACHE/build-times.tsv"
+  log "$name: done in ${secs}s"
+}
+
+# A throwaway main module (outside the repository) that requires the upstream module.
+new_module() {  # DIR MODULE@VERSION
+  mkdir -p "$1/mod"; cd "$1/mod"
+  [[ -f go.mod ]] || go mod init "unet-cluster/${2%%@*}" > /dev/null 2>&1
+  "${NICE[@]}" go get "$2"
+}
+
+build_etcd() {
+  # server/v3 is etcd's main package (server/main.go). Its go.mod replaces api, client and pkg
+  # with ../ folders; replaces in a dependency are ignored, the published v3.6.x are used.
+  new_module "$1" "go.etcd.io/etcd/server/v3@$ETCD_VERSION"
+  "${NICE[@]}" go build -trimpath -ldflags "-s -w" -o "$1/bin/etcd" go.etcd.io/etcd/server/v3
+}
+
+build_kubernetes() {
+  local d="$1" up v tags ldflags
+  new_module "$d" "k8s.io/kubernetes@$K8S_VERSION"
+  # k8s.io/kubernetes requires its staging modules at v0.0.0 with `=> ./staging/...` replaces
+  # (its go.mod), which do not apply here: point each at the published v0.35.x instead.
+  up="$(go list -m -f '{{.Dir}}' "k8s.io/kubernetes")"
+  sed -n 's#^\s*\(k8s.io/[a-z0-9-]*\) => ./staging/.*#\1#p' "$up/go.mod" | while read -r m; do
+    go mod edit -replace "$m=$m@$K8S_STAGING"
+  done
+  # Tags and ldflags as hack/lib/golang.sh (selinux,notest,grpcnotrace; -s -w; -trimpath) and
+  # hack/lib/version.sh (both version packages) set them for a release build.
+  tags="selinux,notest,grpcnotrace"
+  v="$K8S_VERSION"; local minor="${v#v1.}"; minor="${minor%%.*}"
+  ldflags="-s -w"
+  for p in k8s.io/client-go/pkg/version k8s.io/component-base/version; do
+    ldflags+=" -X $p.gitVersion=$v -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
+    ldflags+=" -X $p.buildDate=$(date -u +%FT%TZ)"
+  done
+  "${NICE[@]}" go build -trimpath -tags "$tags" -ldflags "$ldflags" -o "$d/bin/" \
+    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
+    k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kubeadm
+  # The pause binary for the sandbox image, from the module's build/pause/linux/pause.c.
+  "${NICE[@]}" gcc -Os -Wall -Werror -static -DVERSION="v$PAUSE_TAG-unet" \
+    -o "$d/bin/pause" "$up/build/pause/linux/pause.c"
+}
+
+build_argo() {
+  local d="$1" v src
+  v="$(argo_version)"; cd "$d"
+  go mod download "github.com/argoproj/argo-workflows/v4@$v"
+  # A writable copy of the module, so that ui/embed.go's `//go:embed dist/app` finds a
+  # placeholder page (Argo's own Dockerfile does `touch ui/dist/app/index.html` the same way);
+  # Argo's UI is not built.
+  src="$d/src"
+  cp -r "$(go list -m -f '{{.Dir}}' "github.com/argoproj/argo-workflows/v4@$v")" "$src"
+  chmod -R u+w "$src"; mkdir -p "$src/ui/dist/app"
+  echo '<!doctype html><title>Argo</title><p>Argo UI not built: the API is at /api/v1.</p>' \
+    > "$src/ui/dist/app/index.html"
+  # In git, workflow/executor/osspecific/signal_linux.go is a symlink to signal_darwin.go;
+  # module zips drop symlinks, so the module as served lacks it and argoexec does not compile
+  # ("undefined: Setpgid"). Put the link back in the copy.
+  local sig="$src/workflow/executor/osspecific/signal_linux.go"
+  [[ -e "$sig" ]] || ln -s signal_darwin.go "$sig"
+  local tags=""
+  # v4.1 needs this tag (its Makefile); v4.0.x does not know it.
+  grep -q kubernetes_protomessage_one_more_release "$src/Makefile" && tags="kubernetes_protomessage_one_more_release"
+  local ldflags="-s -w -X github.com/argoproj/argo-workflows/v4.version=$v -X github.com/argoproj/argo-workflows/v4.gitTag=$v"
+  ldflags+=" -X github.com/argoproj/argo-workflows/v4.gitTreeState=clean -X github.com/argoproj/argo-workflows/v4.buildDate=$(date -u +%FT%TZ)"
+  cd "$src"
+  "${NICE[@]}" go build -trimpath -tags "$tags" -ldflags "$ldflags" -o "$d/bin/" \
+    ./cmd/workflow-controller ./cmd/argoexec ./cmd/argo
+  cp -r manifests/base/crds "$d/crds"
+  rm -rf "$src"
+}
+
+ensure_podman() {
+  command -v podman > /dev/null && command -v mmdebstrap > /dev/null \
+    || apt-get install -y -q podman mmdebstrap > /dev/null
+}
+
+build_images() {  # pause (sandbox image) and a Debian base that is also the hello image
+  local d="$1" ctx="$1/ctx"
+  [[ -x "$K8S_DIR/bin/pause" ]] || die "build kubernetes first"
+  ensure_podman; mkdir -p "$ctx"
+  # pause: FROM scratch with the static binary, as build/pause/Dockerfile does.
+  cp "$K8S_DIR/bin/pause" "$ctx/pause"
+  printf 'FROM scratch\nCOPY pause /pause\nUSER 65535:65535\nENTRYPOINT ["/pause"]\n' > "$ctx/Containerfile"
+  podman build -q -t "localhost/unet-cluster/pause:$PAUSE_TAG" "$ctx" > /dev/null
+  "${NICE[@]}" mmdebstrap --quiet --variant=minbase --include=ca-certificates,media-types \
+    "$DEBIAN_SUITE" "$ctx/rootfs.tar"
+  podman import -q "$ctx/rootfs.tar" "localhost/unet-cluster/debian:$DEBIAN_SUITE" > /dev/null
+  podman save -q -o "$d/pause.tar" "localhost/unet-cluster/pause:$PAUSE_TAG"
+  podman save -q -o "$d/debian.tar" "localhost/unet-cluster/debian:$DEBIAN_SUITE"
+  rm -rf "$ctx"
+}
+
+build_argoexec_image() {  # Argo's Dockerfile target `argoexec`, on our Debian base
+  local d="$1" v ctx="$1/ctx"
+  v="$(argo_version)"
+  [[ -x "$CACHE/argo-$v/bin/argoexec" && -f "$IMAGES_DIR/debian.tar" ]] || die "build argo and images first"
+  ensure_podman; mkdir -p "$ctx"
+  podman image exists "localhost/unet-cluster/debian:$DEBIAN_SUITE" \
+    || podman load -q -i "$IMAGES_DIR/debian.tar" > /dev/null
+  cp "$CACHE/argo-$v/bin/argoexec" "$ctx/argoexec"
+  printf 'FROM localhost/unet-cluster/debian:%s\nCOPY argoexec /bin/argoexec\nENTRYPOINT ["argoexec"]\n' \
+    "$DEBIAN_SUITE" > "$ctx/Containerfile"
+  podman build -q -t "localhost/unet-cluster/argoexec:$v" "$ctx" > /dev/null
+  podman save -q -o "$d/argoexec.tar" "localhost/unet-cluster/argoexec:$v"
+  rm -rf "$ctx"
+}
+
+stages=("$@"); [[ ${#stages[@]} -gt 0 ]] || stages=(etcd kubernetes images argo argoexec-image)
+for s in "${stages[@]}"; do
+  case "$s" in
+    etcd) run_stage etcd "$ETCD_DIR" build_etcd ;;
+    kubernetes) run_stage kubernetes "$K8S_DIR" build_kubernetes ;;
+    argo) run_stage argo "$CACHE/argo-$(argo_version)" build_argo ;;
+    images) run_stage images "$IMAGES_DIR" build_images ;;
+    argoexec-image) run_stage argoexec-image "$CACHE/argoexec-image-$(argo_version)" build_argoexec_image ;;
+    *) die "unknown stage $s (etcd, kubernetes, images, argo, argoexec-image)" ;;
+  esac
+done
+log "build: $(du -sh "$CACHE" | cut -f1) in $CACHE"

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Stop the single-node cluster that cluster/up.sh started and leave no process, mount, network
+# namespace, link, cgroup or iptables rule of it behind. Removes $STATE and $RUN_DIR
+# (certificates, etcd data, containerd's images) unless KEEP_STATE=1; the build cache stays.
+#   bash cluster/down.sh
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+source "$here/lib.sh"
+
+pid_of() { [[ -f "$RUN_DIR/$1.pid" ]] && cat "$RUN_DIR/$1.pid" || true; }
+alive() { [[ -n "$1" ]] && kill -0 "$1" 2> /dev/null; }
+stop() {  # NAME [GRACE]: SIGTERM, then SIGKILL after GRACE s (15); only the pid up.sh recorded
+  local pid; pid="$(pid_of "$1")"
+  if alive "$pid"; then
+    log "stopping $1 (pid $pid)"
+    kill "$pid" 2> /dev/null || true
+    for _ in $(seq $(( ${2:-15} * 2 ))); do alive "$pid" || break; sleep 0.5; done
+    alive "$pid" && kill -9 "$pid" 2> /dev/null || true
+  fi
+  rm -f "$RUN_DIR/$1.pid"
+}
+ctr_() { ctr --address "$CONTAINERD_SOCK" -n k8s.io "$@"; }
+
+# Both wait out in-flight work on SIGTERM; nothing of theirs needs to survive a teardown.
+stop argo-server 3
+stop workflow-controller 3
+# Let the kubelet tear its pods down itself (containers, sandboxes, CNI DEL), then stop it.
+if alive "$(pid_of kubelet)" && [[ -f "$KUBECONFIG_ADMIN" ]]; then
+  log "deleting all pods so that the kubelet removes their containers"
+  kubectl --kubeconfig "$KUBECONFIG_ADMIN" delete pods --all -A --grace-period=0 --force \
+    --wait=false > /dev/null 2>&1 || true
+  for _ in $(seq 60); do
+    [[ -z "$(ctr_ tasks ls -q 2> /dev/null)" ]] && break; sleep 1
+  done
+fi
+stop kubelet
+# Whatever is left: kill and delete each task through containerd (this unmounts its rootfs).
+if alive "$(pid_of containerd)"; then
+  for id in $(ctr_ tasks ls -q 2> /dev/null); do
+    ctr_ tasks kill -s SIGKILL "$id" > /dev/null 2>&1 || true
+  done
+  sleep 1
+  for id in $(ctr_ tasks ls -q 2> /dev/null); do ctr_ tasks delete -f "$id" > /dev/null 2>&1 || true; done
+fi
+stop containerd
+# Shims that outlived it: containerd 1.6 records each one's pid in its task folder.
+for f in "$RUN_DIR"/containerd/io.containerd.runtime.v2.task/*/*/shim.pid; do
+  [[ -f "$f" ]] && kill -9 "$(cat "$f")" 2> /dev/null || true
+done
+stop kube-scheduler
+stop kube-controller-manager
+stop kube-apiserver
+stop etcd
+
+# Any container process still alive sits in the kubelet's cgroups (kubepods/...): kill it by pid.
+for f in $(find /sys/fs/cgroup/pids/kubepods -name cgroup.procs 2> /dev/null); do
+  while read -r p; do kill -9 "$p" 2> /dev/null || true; done < "$f"
+done
+# Mounts under our folders, deepest first: rootfs overlays, shm, the kubelet's tmpfs volumes and
+# its root folder, and the pods' network namespaces (up.sh keeps them under containerd's state).
+mounts() { awk '{print $5}' /proc/self/mountinfo | grep -E "^($STATE|$RUN_DIR)(/|$)" | sort -r || true; }
+for m in $(mounts); do umount "$m" 2> /dev/null || umount -l "$m" 2> /dev/null || true; done
+if ip link show unetcni0 > /dev/null 2>&1; then ip link delete unetcni0; fi
+# The kubelet's cgroups (cgroupfs driver: kubepods/... in each v1 hierarchy), deepest first.
+find /sys/fs/cgroup/*/kubepods -depth -type d -exec rmdir {} \; 2> /dev/null || true
+# The kubelet's KUBE-* chains (pkg/kubelet/kubelet_network_linux.go) and up.sh's rules.
+for ipt in iptables ip6tables; do
+  for t in filter nat mangle; do
+    { "$ipt" -t "$t" -S 2> /dev/null | grep -E '^-A [A-Z]+ .*(-j KUBE-|--comment "?unet-cluster)' || true; } \
+      | sed 's/^-A/-D/' | while read -r rule; do eval "$ipt -t $t $rule" || true; done
+    for c in $("$ipt" -t "$t" -S 2> /dev/null | awk '/^-N KUBE-/{print $2}'); do
+      "$ipt" -t "$t" -F "$c"; "$ipt" -t "$t" -X "$c" 2> /dev/null || true
+    done
+  done
+done
+# The host sysctls that the kubelet changed, back to what up.sh found.
+if [[ -f "$RUN_DIR/sysctl.saved" ]]; then
+  while read -r k v; do echo "$v" > "/proc/sys/$k" || true; done < "$RUN_DIR/sysctl.saved"
+  rm -f "$RUN_DIR/sysctl.saved"
+fi
+# containerd 1.6 puts shim sockets in /run/containerd/s whatever its state folder: drop the
+# folders if they are empty (another containerd may use them).
+rmdir /run/containerd/s /run/containerd/runc/k8s.io /run/containerd/runc /run/containerd 2> /dev/null || true
+if [[ "${KEEP_STATE:-0}" != 1 ]]; then rm -rf "$STATE" "$RUN_DIR"; fi
+
+# Verify: nothing of ours runs, is mounted or filtered.
+left="$(mounts)"
+procs="$(for e in /proc/[0-9]*/exe; do readlink "$e" 2> /dev/null | grep -qE "^($CACHE|$STATE|$RUN_DIR)/" && echo "${e%/exe}"; done || true)"
+procs+="$(pgrep -af -- "containerd --config $STATE|-address $CONTAINERD_SOCK" || true)"
+rules="$(iptables-save 2> /dev/null | grep -E 'KUBE-|unet-cluster' || true)"
+cg="$(ls -d /sys/fs/cgroup/*/kubepods 2> /dev/null || true)"
+if [[ -n "$left$procs$rules$cg" ]]; then
+  log "left behind:"; printf '%s\n' "$left" "$procs" "$rules" "$cg" | grep -v '^$' >&2; exit 1
+fi
+log "down: no process, mount, cgroup or iptables rule of the cluster is left"

@@ -1,0 +1,339 @@
+#!/usr/bin/env bash
+# Start the single-node cluster from the binaries and images that cluster/build.sh cached:
+# etcd -> kube-apiserver -> controller-manager + scheduler -> containerd + kubelet -> Argo.
+#   bash cluster/up.sh [etcd|control-plane|node|argo]   (start up to that stage; default argo)
+# Every listener is on 127.0.0.1; the admin kubeconfig is $STATE/pki/admin.conf (printed at the
+# end). Logs: $STATE/logs/. Stop everything with cluster/down.sh.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+source "$here/lib.sh"
+target="${1:-argo}"
+case "$target" in etcd) last=1 ;; control-plane) last=2 ;; node) last=3 ;; argo) last=4 ;;
+  *) die "unknown stage $target (etcd, control-plane, node, argo)" ;; esac
+ARGO_V="$(argo_version)"
+ARGO_DIR="$CACHE/argo-$ARGO_V"
+K="$K8S_DIR/bin"
+PKI="$STATE/pki"
+t_start=$(date +%s)
+
+need_built() { for f in "$@"; do [[ -e "$f" ]] || die "$f missing: run bash cluster/build.sh first"; done; }
+# start NAME CMD...: a detached process with its pid in $RUN_DIR/NAME.pid (no systemd here).
+start() {
+  local name="$1"; shift
+  if [[ -f "$RUN_DIR/$name.pid" ]] && kill -0 "$(cat "$RUN_DIR/$name.pid")" 2> /dev/null; then
+    log "$name already running (pid $(cat "$RUN_DIR/$name.pid"))"; return
+  fi
+  setsid "$@" >> "$LOGS/$name.log" 2>&1 < /dev/null &
+  echo $! > "$RUN_DIR/$name.pid"
+}
+# wait_for DESC SECONDS CMD...: poll until CMD succeeds; on timeout show the log tail and fail.
+wait_for() {
+  local desc="$1" secs="$2"; shift 2
+  local t0=$SECONDS
+  until "$@" > /dev/null 2>&1; do
+    if (( SECONDS - t0 > secs )); then
+      log "timed out after ${secs}s waiting for $desc"
+      for f in "$LOGS"/*.log; do echo "--- tail of $f" >&2; tail -n 5 "$f" >&2; done
+      exit 1
+    fi
+    sleep 1
+  done
+  log "  $desc ready after $(( SECONDS - t0 ))s"
+}
+kc() { kubectl --kubeconfig "$KUBECONFIG_ADMIN" "$@"; }
+
+mkdir -p "$STATE" "$RUN_DIR" "$LOGS"
+command -v kubectl > /dev/null || bash "$here/../manifests/install-kubectl.sh"
+
+# ---- 1. certificates and etcd ----------------------------------------------------------------
+need_built "$ETCD_DIR/bin/etcd" "$K/kube-apiserver" "$K/kubeadm"
+if [[ ! -f "$PKI/ca.crt" ]]; then
+  log "[1/4] certificates (kubeadm init phase certs/kubeconfig, SANs localhost and 127.0.0.1)"
+  # kubeadm reads a loopback advertiseAddress as "the global address on lo" (RFC 5549 setups;
+  # cmd/kubeadm/app/util/config/initconfiguration.go, SetAPIEndpointDynamicDefaults) and fails
+  # here: "unable to select an IP from lo network interface". So the certificates also name the
+  # host's own address; the API server itself is started with --advertise-address=127.0.0.1
+  # and every kubeconfig is pointed at 127.0.0.1 below.
+  host_ip="$(ip -4 -o addr show scope global | awk 'NR==1{sub("/.*","",$4); print $4}')"
+  cat > "$STATE/kubeadm.yaml" <<EOF
+apiVersion: kubeadm.k8s.io/v1beta4
+kind: InitConfiguration
+localAPIEndpoint: {advertiseAddress: ${host_ip:?no global IPv4 address}, bindPort: 6443}
+nodeRegistration: {name: localhost}
+---
+apiVersion: kubeadm.k8s.io/v1beta4
+kind: ClusterConfiguration
+kubernetesVersion: $K8S_VERSION
+certificatesDir: $PKI
+controlPlaneEndpoint: 127.0.0.1:6443
+apiServer: {certSANs: [localhost, 127.0.0.1]}
+networking: {serviceSubnet: 10.96.0.0/12, dnsDomain: cluster.local}
+EOF
+  "$K/kubeadm" init phase certs all --config "$STATE/kubeadm.yaml" > "$LOGS/kubeadm.log" 2>&1 \
+    || { cat "$LOGS/kubeadm.log" >&2; exit 1; }
+  # admin.conf (group kubeadm:cluster-admins, bound below), super-admin.conf (system:masters),
+  # controller-manager.conf, scheduler.conf and kubelet.conf (system:node:localhost).
+  "$K/kubeadm" init phase kubeconfig all --config "$STATE/kubeadm.yaml" --kubeconfig-dir "$PKI" \
+    >> "$LOGS/kubeadm.log" 2>&1 || { cat "$LOGS/kubeadm.log" >&2; exit 1; }
+  # controller-manager.conf and scheduler.conf name the advertise address (kubeadm's
+  # phases/kubeconfig/kubeconfig.go uses LocalAPIEndpoint for them): point all at loopback.
+  for f in "$PKI"/*.conf; do
+    kubectl config set-cluster kubernetes --server=https://127.0.0.1:6443 --kubeconfig "$f" > /dev/null
+  done
+fi
+log "[1/4] etcd $ETCD_VERSION on 127.0.0.1:2379"
+start etcd "$ETCD_DIR/bin/etcd" --name=localhost --data-dir="$STATE/etcd" \
+  --listen-client-urls=https://127.0.0.1:2379 --advertise-client-urls=https://127.0.0.1:2379 \
+  --listen-peer-urls=https://127.0.0.1:2380 --initial-advertise-peer-urls=https://127.0.0.1:2380 \
+  --initial-cluster=localhost=https://127.0.0.1:2380 --listen-metrics-urls=http://127.0.0.1:2381 \
+  --client-cert-auth --trusted-ca-file="$PKI/etcd/ca.crt" \
+  --cert-file="$PKI/etcd/server.crt" --key-file="$PKI/etcd/server.key" \
+  --peer-client-cert-auth --peer-trusted-ca-file="$PKI/etcd/ca.crt" \
+  --peer-cert-file="$PKI/etcd/peer.crt" --peer-key-file="$PKI/etcd/peer.key" \
+  --snapshot-count=10000
+wait_for "etcd /health" 60 curl -sf http://127.0.0.1:2381/health
+(( last >= 2 )) || exit 0
+
+# ---- 2. control plane ------------------------------------------------------------------------
+log "[2/4] kube-apiserver $K8S_VERSION on 127.0.0.1:6443"
+# Flags as kubeadm writes them (cmd/kubeadm/app/phases/controlplane/manifests.go,
+# getAPIServerCommand), plus: --endpoint-reconciler-type=none, because the `kubernetes`
+# Endpoints may not hold a loopback address (pkg/apis/core/validation: ValidateNonSpecialIP),
+# and --kubelet-preferred-address-types=Hostname so that logs/exec go to `localhost:10250`.
+start kube-apiserver "$K/kube-apiserver" \
+  --advertise-address=127.0.0.1 --bind-address=127.0.0.1 --secure-port=6443 \
+  --endpoint-reconciler-type=none --allow-privileged=true \
+  --authorization-mode=Node,RBAC --enable-admission-plugins=NodeRestriction \
+  --client-ca-file="$PKI/ca.crt" --tls-cert-file="$PKI/apiserver.crt" \
+  --tls-private-key-file="$PKI/apiserver.key" \
+  --etcd-servers=https://127.0.0.1:2379 --etcd-cafile="$PKI/etcd/ca.crt" \
+  --etcd-certfile="$PKI/apiserver-etcd-client.crt" --etcd-keyfile="$PKI/apiserver-etcd-client.key" \
+  --kubelet-client-certificate="$PKI/apiserver-kubelet-client.crt" \
+  --kubelet-client-key="$PKI/apiserver-kubelet-client.key" --kubelet-preferred-address-types=Hostname \
+  --proxy-client-cert-file="$PKI/front-proxy-client.crt" --proxy-client-key-file="$PKI/front-proxy-client.key" \
+  --requestheader-client-ca-file="$PKI/front-proxy-ca.crt" --requestheader-allowed-names=front-proxy-client \
+  --requestheader-extra-headers-prefix=X-Remote-Extra- --requestheader-group-headers=X-Remote-Group \
+  --requestheader-username-headers=X-Remote-User \
+  --service-account-issuer=https://kubernetes.default.svc.cluster.local \
+  --service-account-key-file="$PKI/sa.pub" --service-account-signing-key-file="$PKI/sa.key" \
+  --service-cluster-ip-range=10.96.0.0/12
+wait_for "kube-apiserver /readyz" 120 kubectl --kubeconfig "$PKI/super-admin.conf" get --raw /readyz
+# kubeadm init would create this binding; admin.conf's group has no rights without it.
+kubectl --kubeconfig "$PKI/super-admin.conf" create clusterrolebinding kubeadm:cluster-admins \
+  --clusterrole=cluster-admin --group=kubeadm:cluster-admins --dry-run=client -o yaml \
+  | kubectl --kubeconfig "$PKI/super-admin.conf" apply -f - > /dev/null
+
+log "[2/4] kube-controller-manager and kube-scheduler (127.0.0.1:10257, :10259)"
+# kubeadm's getControllerManagerCommand; it is what creates each namespace's `default`
+# ServiceAccount and the kube-root-ca.crt ConfigMap that projected tokens mount.
+start kube-controller-manager "$K/kube-controller-manager" --bind-address=127.0.0.1 \
+  --kubeconfig="$PKI/controller-manager.conf" --authentication-kubeconfig="$PKI/controller-manager.conf" \
+  --authorization-kubeconfig="$PKI/controller-manager.conf" --client-ca-file="$PKI/ca.crt" \
+  --requestheader-client-ca-file="$PKI/front-proxy-ca.crt" --root-ca-file="$PKI/ca.crt" \
+  --cluster-signing-cert-file="$PKI/ca.crt" --cluster-signing-key-file="$PKI/ca.key" \
+  --service-account-private-key-file="$PKI/sa.key" --use-service-account-credentials=true \
+  --controllers='*' --leader-elect=false
+start kube-scheduler "$K/kube-scheduler" --bind-address=127.0.0.1 --leader-elect=false \
+  --kubeconfig="$PKI/scheduler.conf" --authentication-kubeconfig="$PKI/scheduler.conf" \
+  --authorization-kubeconfig="$PKI/scheduler.conf"
+wait_for "kube-controller-manager /healthz" 90 curl -skf https://127.0.0.1:10257/healthz
+wait_for "kube-scheduler /healthz" 90 curl -skf https://127.0.0.1:10259/healthz
+wait_for "default ServiceAccount" 60 kc -n default get serviceaccount default
+(( last >= 3 )) || { log "control plane up in $(( $(date +%s) - t_start ))s; KUBECONFIG=$KUBECONFIG_ADMIN"; exit 0; }
+
+# ---- 3. containerd, images, kubelet ------------------------------------------------------------
+need_built "$K/kubelet" "$IMAGES_DIR/pause.tar"
+command -v containerd > /dev/null && [[ -x /usr/lib/cni/bridge ]] \
+  || apt-get install -y -q containerd runc containernetworking-plugins > /dev/null
+mkdir -p "$STATE/cni/net.d" "$STATE/containerd" "$RUN_DIR/containerd"
+# Its own CNI folder (not podman's /etc/cni/net.d). A bridge without gateway or masquerade: no
+# iptables rule, no route out; only so that the runtime reports NetworkReady.
+cat > "$STATE/cni/net.d/10-unet.conflist" <<EOF
+{"cniVersion": "0.4.0", "name": "unet-cluster", "plugins": [{"type": "bridge", "bridge": "unetcni0",
+  "isGateway": false, "ipMasq": false, "ipam": {"type": "host-local",
+  "ranges": [[{"subnet": "10.244.0.0/24"}]], "dataDir": "$STATE/cni/ipam"}}]}
+EOF
+# containerd 1.6 CRI options (pkg/cri/config/config.go): restrict_oom_score_adj because root lacks
+# CAP_SYS_RESOURCE here; the sandbox image is ours; streaming stays on loopback; pod network
+# namespaces under our state folder rather than /run/netns.
+cat > "$STATE/containerd.toml" <<EOF
+version = 2
+root = "$STATE/containerd"
+state = "$RUN_DIR/containerd"
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
+  "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs"]
+[grpc]
+  address = "$CONTAINERD_SOCK"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "localhost/unet-cluster/pause:$PAUSE_TAG"
+  restrict_oom_score_adj = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  netns_mounts_under_state_dir = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+        Root = "$RUN_DIR/runc"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/usr/lib/cni"
+    conf_dir = "$STATE/cni/net.d"
+EOF
+log "[3/4] containerd $(containerd --version | awk '{print $3}') (socket $CONTAINERD_SOCK)"
+start containerd containerd --config "$STATE/containerd.toml"
+ctr_() { ctr --address "$CONTAINERD_SOCK" -n k8s.io "$@"; }
+wait_for "containerd" 60 ctr_ version
+for tar in "$IMAGES_DIR/pause.tar" "$IMAGES_DIR/debian.tar" "$CACHE/argoexec-image-$ARGO_V/argoexec.tar"; do
+  if [[ -f "$tar" ]]; then ctr_ images import "$tar" > /dev/null; fi
+done
+log "  images: $(ctr_ images ls -q | grep -c unet-cluster) loaded ($(ctr_ images ls -q | grep unet-cluster | tr '\n' ' '))"
+
+log "[3/4] kubelet $K8S_VERSION (node localhost, 127.0.0.1:10250)"
+mkdir -p "$STATE/kubelet" "$STATE/kubelet-plugins"
+cat > "$STATE/kubelet.yaml" <<EOF
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+address: 127.0.0.1
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+authentication: {anonymous: {enabled: false}, webhook: {enabled: true}, x509: {clientCAFile: $PKI/ca.crt}}
+authorization: {mode: Webhook}
+containerRuntimeEndpoint: unix://$CONTAINERD_SOCK
+# cgroup v1 (hybrid, no systemd): the default failCgroupV1 became true in 1.35
+# (pkg/kubelet/apis/config/v1beta1/defaults.go) and containerd 1.6 has no RuntimeConfig RPC,
+# so the driver comes from here (cmd/kubelet/app/server.go, getCgroupDriverFromCRI).
+failCgroupV1: false
+cgroupDriver: cgroupfs
+failSwapOn: false
+volumePluginDir: $STATE/kubelet-plugins
+# Our images cannot be pulled again: image GC only on a full disk.
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+evictionHard: {memory.available: 200Mi, nodefs.available: 2%, imagefs.available: 2%}
+serializeImagePulls: false
+EOF
+# The kubelet sets six host sysctls (pkg/kubelet/cm/container_manager_linux.go,
+# setupKernelTunables: vm.overcommit_memory=1, kernel.panic_on_oops=1, ...), or refuses to start
+# with protectKernelDefaults: keep the values it finds so that down.sh puts them back.
+if [[ ! -f "$RUN_DIR/sysctl.saved" ]]; then
+  for k in vm/overcommit_memory vm/panic_on_oom kernel/panic kernel/panic_on_oops \
+    kernel/keys/root_maxkeys kernel/keys/root_maxbytes; do echo "$k $(cat "/proc/sys/$k")"; done \
+    > "$RUN_DIR/sysctl.saved"
+fi
+# --hostname-override=localhost: the node is `localhost`; its InternalIP is found by the kubelet
+# (pkg/kubelet/nodestatus/setters.go: loopback addresses are refused, so the default-route one).
+start kubelet "$K/kubelet" --config="$STATE/kubelet.yaml" --kubeconfig="$PKI/kubelet.conf" \
+  --root-dir="$STATE/kubelet" --hostname-override=localhost --v=1
+wait_for "kubelet /healthz" 90 curl -sf http://127.0.0.1:10248/healthz
+wait_for "node localhost Ready" 120 kc wait --for=condition=Ready node/localhost --timeout=5s
+kc apply -f - > /dev/null <<EOF
+apiVersion: v1
+kind: Pod
+metadata: {name: hello, namespace: default}
+spec:
+  restartPolicy: Never
+  containers:
+  - {name: hello, image: "localhost/unet-cluster/debian:$DEBIAN_SUITE", imagePullPolicy: Never,
+     command: [sh, -c, 'echo hello from \$(uname -r) as uid \$(id -u)']}
+EOF
+wait_for "hello pod Succeeded" 120 \
+  kc wait --for=jsonpath='{.status.phase}'=Succeeded pod/hello --timeout=5s
+log "  hello pod says: $(kc logs hello)"
+kc delete pod hello --wait=false > /dev/null
+(( last >= 4 )) || { log "node up in $(( $(date +%s) - t_start ))s; KUBECONFIG=$KUBECONFIG_ADMIN"; exit 0; }
+
+# ---- 4. Argo Workflows -----------------------------------------------------------------------
+need_built "$ARGO_DIR/bin/workflow-controller" "$ARGO_DIR/bin/argo" "$CACHE/argoexec-image-$ARGO_V/argoexec.tar"
+log "[4/4] Argo Workflows $ARGO_V: CRDs, controller, server"
+kc apply --server-side -k "$ARGO_DIR/crds/minimal" > /dev/null
+wait_for "Argo CRDs Established" 60 kc wait --for=condition=Established crd --all --timeout=5s
+kc create namespace argo --dry-run=client -o yaml | kc apply -f - > /dev/null
+# The controller's ConfigMap (config/config.go): every pod on the host network (no kube-proxy,
+# no cluster DNS) and the executor's init/wait containers told where the API server is
+# (workflow/controller/workflowpod.go appends executor.env to them). Metrics off: its server
+# would listen on all interfaces (util/telemetry/exporter_prometheus.go).
+kc apply -f - > /dev/null <<EOF
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: workflow-controller-configmap, namespace: argo}
+data:
+  workflowDefaults: |
+    spec:
+      hostNetwork: true
+      dnsPolicy: Default
+  executor: |
+    imagePullPolicy: IfNotPresent
+    env:
+    - {name: KUBERNETES_SERVICE_HOST, value: 127.0.0.1}
+    - {name: KUBERNETES_SERVICE_PORT, value: "6443"}
+  metricsConfig: |
+    enabled: false
+  telemetryConfig: |
+    enabled: false
+EOF
+# The controller's health server (:6060, cmd/workflow-controller/main.go) and `argo server`
+# (:PORT, server/apiserver/argoserver.go) bind every interface and have no address flag: drop
+# what reaches those ports from anywhere but loopback. down.sh removes the rules by comment.
+for ipt in iptables ip6tables; do
+  for port in 2746 6060 9090; do
+    rule=(INPUT ! -i lo -p tcp --dport "$port" -m comment --comment unet-cluster -j DROP)
+    "$ipt" -C "${rule[@]}" 2> /dev/null || "$ipt" -I "${rule[@]}"
+  done
+done
+cp "$KUBECONFIG_ADMIN" "$STATE/argo.conf"
+kubectl --kubeconfig "$STATE/argo.conf" config set-context --current --namespace=argo > /dev/null
+LEADER_ELECTION_DISABLE=true KUBECONFIG="$STATE/argo.conf" start workflow-controller \
+  "$ARGO_DIR/bin/workflow-controller" --configmap=workflow-controller-configmap \
+  --executor-image="localhost/unet-cluster/argoexec:$ARGO_V" --executor-image-pull-policy=IfNotPresent
+KUBECONFIG="$STATE/argo.conf" start argo-server "$ARGO_DIR/bin/argo" server --auth-mode=server \
+  --secure=false --port=2746 --namespaced=false
+wait_for "workflow-controller /healthz" 90 curl -sf http://127.0.0.1:6060/healthz
+wait_for "argo server /api/v1/version" 90 curl -sf http://127.0.0.1:2746/api/v1/version
+# The executor needs to write WorkflowTaskResults (Argo's manifests/quick-start executor role).
+kc apply -f - > /dev/null <<EOF
+apiVersion: v1
+kind: ServiceAccount
+metadata: {name: hello-executor, namespace: argo}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata: {name: executor, namespace: argo}
+rules:
+- {apiGroups: [argoproj.io], resources: [workflowtaskresults], verbs: [create, patch]}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {name: hello-executor, namespace: argo}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: executor}
+subjects: [{kind: ServiceAccount, name: hello-executor, namespace: argo}]
+EOF
+kc -n argo delete workflow hello --ignore-not-found > /dev/null
+kc create -f - > /dev/null <<EOF
+apiVersion: argoproj.io/v1alpha1
+kind: Workflow
+metadata: {name: hello, namespace: argo}
+spec:
+  entrypoint: main
+  serviceAccountName: hello-executor
+  templates:
+  - name: main
+    outputs: {parameters: [{name: msg, valueFrom: {path: /tmp/msg}}]}
+    container: {image: "localhost/unet-cluster/debian:$DEBIAN_SUITE",
+                command: [sh, -c, 'echo hello from argo | tee /tmp/msg']}
+EOF
+wait_for "hello Workflow Succeeded" 180 \
+  kc -n argo wait --for=jsonpath='{.status.phase}'=Succeeded workflow/hello --timeout=5s
+log "  hello Workflow output: $(kc -n argo get workflow hello -o jsonpath='{.status.nodes.hello.outputs.parameters[0].value}')"
+# The same through `argo server`, as the CLI and the UI reach it (auth-mode server ignores the
+# token, but the CLI wants one).
+ARGO_SERVER=127.0.0.1:2746 ARGO_SECURE=false ARGO_HTTP1=true ARGO_TOKEN=unused \
+  "$ARGO_DIR/bin/argo" -n argo get hello -o name > /dev/null || die "argo server does not list the hello Workflow"
+# Every listener of ours is on loopback, or on a port that the rules above guard.
+open="$(ss -Hltnp | grep -E '"(etcd|kube-[a-z-]*|kubelet|containerd|workflow-contro|argo)"' \
+  | awk '$4 !~ /^(127\.0\.0\.1|\[::1\]):/ && $4 !~ /:(2746|6060|9090)$/' || true)"
+[[ -z "$open" ]] || die "listening beyond loopback: $open"
+log "up: etcd $ETCD_VERSION, Kubernetes $K8S_VERSION, containerd $(containerd --version | awk '{print $3}'), Argo $ARGO_V in $(( $(date +%s) - t_start ))s"
+log "KUBECONFIG=$KUBECONFIG_ADMIN ARGO_SERVER=127.0.0.1:2746 ARGO_SECURE=false ARGO_HTTP1=true ARGO_TOKEN=unused"
