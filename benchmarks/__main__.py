@@ -13,12 +13,12 @@ import traceback
 from pathlib import Path
 
 from benchmarks import (allocator, common, gpu, growth, handoff, loader, onnxrt,
-                        orchestration, precision, preprocess, quantize, trainstep)
+                        orchestration, precision, preprocess, quantize, quota, trainstep)
 
 BENCHMARKS = {"preprocess": preprocess, "loader": loader, "train": trainstep,
               "handoff": handoff, "onnx": onnxrt, "orchestration": orchestration,
               "growth": growth, "allocator": allocator, "precision": precision,
-              "quantize": quantize, "gpu": gpu}
+              "quantize": quantize, "gpu": gpu, "quota": quota}
 RESULTS = Path(__file__).parent / "results"
 
 

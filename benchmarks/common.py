@@ -283,11 +283,12 @@ def machine() -> dict[str, Any]:
                 mem = int(line.split()[1]) * 1024
     except OSError:
         pass
-    from steps import devices, nifti
+    from steps import devices, limits, nifti
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu_model": _cpu_model(), "arch": platform.machine(),
         "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
+        "step_cpus": limits.cpu_count(),      # what a step run here sizes its threads to
         "memory_gib": round(mem / 2 ** 30, 1), "gpu": machine_gpu(),
         "python": platform.python_version(), "os": platform.platform(),
         "versions": {m: _version(m) for m in ("numpy", "torch", "monai", "nibabel",

@@ -23,9 +23,10 @@ def run(settings: Settings) -> dict:
         out = settings.workdir / f"growth-{n}"
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-        seconds, rss = in_child(run_ours, cases, out, settings.patch, "default", threads=1,
-                                env=env)
-        points.append({"cases": n, "seconds": sum(seconds), "seconds_per_case": sum(seconds) / n,
+        times, rss = in_child(run_ours, cases, out, settings.patch, "default", threads=1,
+                              env=env)
+        seconds = sum(wall for wall, _cpu in times)
+        points.append({"cases": n, "seconds": seconds, "seconds_per_case": seconds / n,
                        "peak_rss_bytes": rss})
         shutil.rmtree(out, ignore_errors=True)
     step = None

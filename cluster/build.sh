@@ -2,7 +2,8 @@
 # Build the single-node cluster's binaries and images from the Go module proxy and Debian's
 # packages into a version-keyed cache: ~/.cache/unet-cluster/<component>-<version>/.
 # Nothing is built inside this repository. A stage whose folder has .done is skipped.
-#   bash cluster/build.sh [etcd|kubernetes|images|argo|argoexec-image ...]   (default: all, in order)
+#   bash cluster/build.sh [etcd|kubernetes|images|argo|argoexec-image|training-operator ...]
+#   (default: all but training-operator, in order; the operator is only for the multi-node tests)
 # Heavy work runs under `nice -n 19`; each stage's wall time and size go to $CACHE/build-times.tsv.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -94,6 +95,21 @@ build_argo() {
   rm -rf "$src"
 }
 
+build_training_operator() {
+  # The Kubeflow training operator's one binary (cmd/training-operator.v1, as its Dockerfile
+  # builds it: CGO off) and, beside it, the module's CRDs and webhook manifests that
+  # cluster/operator.sh applies. The module has no replace directives, so a plain
+  # requirement builds it as released.
+  local d="$1" up
+  new_module "$d" "github.com/kubeflow/training-operator@$TRAINING_OPERATOR_VERSION"
+  "${NICE[@]}" go build -trimpath -ldflags "-s -w" -o "$d/bin/training-operator" \
+    github.com/kubeflow/training-operator/cmd/training-operator.v1
+  up="$(go list -m -f '{{.Dir}}' github.com/kubeflow/training-operator)"
+  cp -r "$up/manifests/base/crds" "$d/crds"
+  cp -r "$up/manifests/base/webhook" "$d/webhook"
+  chmod -R u+w "$d/crds" "$d/webhook"
+}
+
 ensure_podman() {
   command -v podman > /dev/null && command -v mmdebstrap > /dev/null \
     || apt-get install -y -q podman mmdebstrap > /dev/null
@@ -138,7 +154,8 @@ for s in "${stages[@]}"; do
     argo) run_stage argo "$CACHE/argo-$(argo_version)" build_argo ;;
     images) run_stage images "$IMAGES_DIR" build_images ;;
     argoexec-image) run_stage argoexec-image "$CACHE/argoexec-image-$(argo_version)" build_argoexec_image ;;
-    *) die "unknown stage $s (etcd, kubernetes, images, argo, argoexec-image)" ;;
+    training-operator) run_stage training-operator "$OPERATOR_DIR" build_training_operator ;;
+    *) die "unknown stage $s (etcd, kubernetes, images, argo, argoexec-image, training-operator)" ;;
   esac
 done
 log "build: $(du -sh "$CACHE" | cut -f1) in $CACHE"

@@ -23,6 +23,7 @@ ctr_() { ctr --address "$CONTAINERD_SOCK" -n k8s.io "$@"; }
 
 # Both wait out in-flight work on SIGTERM; nothing of theirs needs to survive a teardown.
 stop argo-server 3
+stop training-operator 3   # cluster/operator.sh, when it was started
 stop workflow-controller 3
 # Let the kubelet tear its pods down itself (containers, sandboxes, CNI DEL), then stop it.
 if alive "$(pid_of kubelet)" && [[ -f "$KUBECONFIG_ADMIN" ]]; then

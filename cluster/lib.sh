@@ -4,6 +4,7 @@ K8S_VERSION="${K8S_VERSION:-v1.35.4}"          # k8s.io/kubernetes (proxy serves
 K8S_STAGING="v0.${K8S_VERSION#v1.}"            # its staging modules, published as v0.35.4
 ETCD_VERSION="${ETCD_VERSION:-v3.6.16}"        # go.etcd.io/etcd/server/v3 (k8s 1.35 pins 3.6.x, build/dependencies.yaml)
 ARGO_VERSION="${ARGO_VERSION:-}"               # empty: v4.1.2 if the proxy serves it, else newest v4
+TRAINING_OPERATOR_VERSION="${TRAINING_OPERATOR_VERSION:-v1.9.3}"  # github.com/kubeflow/training-operator (proxy lists only v1.8.1, serves v1.9.0-v1.9.3 exactly)
 PAUSE_TAG="3.10.1"                             # build/pause/Makefile TAG in k8s v1.35.4
 DEBIAN_SUITE="bookworm"
 
@@ -31,4 +32,5 @@ argo_version() {
 
 ETCD_DIR="$CACHE/etcd-$ETCD_VERSION"
 K8S_DIR="$CACHE/kubernetes-$K8S_VERSION"
+OPERATOR_DIR="$CACHE/training-operator-$TRAINING_OPERATOR_VERSION"   # bin/training-operator, crds/, webhook/
 IMAGES_DIR="$CACHE/images-pause$PAUSE_TAG-$DEBIAN_SUITE"   # pause.tar, debian.tar

@@ -285,7 +285,25 @@ for ipt in iptables ip6tables; do
 done
 cp "$KUBECONFIG_ADMIN" "$STATE/argo.conf"
 kubectl --kubeconfig "$STATE/argo.conf" config set-context --current --namespace=argo > /dev/null
-LEADER_ELECTION_DISABLE=true KUBECONFIG="$STATE/argo.conf" start workflow-controller \
+# The controller runs as the ServiceAccount argo/argo with Argo's own install RBAC (the
+# ClusterRole argo-cluster-role and Role argo-role of the module's
+# manifests/cluster-install-no-crds/workflow-controller-rbac), not as cluster-admin: what it may
+# do here is what it may do in a real install, so a missing grant (the memoization cache's
+# ConfigMap, manifests/controller) fails here as it would there.
+argo_src="$(go mod download -json "github.com/argoproj/argo-workflows/v4@$ARGO_V" | sed -n 's/^\s*"Dir": "\(.*\)",$/\1/p')"
+rbac="$argo_src/manifests/cluster-install-no-crds/workflow-controller-rbac"
+need_built "$rbac/workflow-controller-clusterrole.yaml"
+kc -n argo create serviceaccount argo --dry-run=client -o yaml | kc apply -f - > /dev/null
+kc -n argo apply -f "$rbac/workflow-controller-clusterrole.yaml" -f "$rbac/workflow-controller-role.yaml" > /dev/null
+kc create clusterrolebinding argo-binding --clusterrole=argo-cluster-role --serviceaccount=argo:argo \
+  --dry-run=client -o yaml | kc apply -f - > /dev/null
+kc -n argo create rolebinding argo-binding --role=argo-role --serviceaccount=argo:argo \
+  --dry-run=client -o yaml | kc apply -f - > /dev/null
+cp "$KUBECONFIG_ADMIN" "$STATE/controller.conf"
+kubectl --kubeconfig "$STATE/controller.conf" config set-credentials argo \
+  --token="$(kc -n argo create token argo --duration=48h)" > /dev/null
+kubectl --kubeconfig "$STATE/controller.conf" config set-context --current --user=argo --namespace=argo > /dev/null
+LEADER_ELECTION_DISABLE=true KUBECONFIG="$STATE/controller.conf" start workflow-controller \
   "$ARGO_DIR/bin/workflow-controller" --configmap=workflow-controller-configmap \
   --executor-image="localhost/unet-cluster/argoexec:$ARGO_V" --executor-image-pull-policy=IfNotPresent
 KUBECONFIG="$STATE/argo.conf" start argo-server "$ARGO_DIR/bin/argo" server --auth-mode=server \

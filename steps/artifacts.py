@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterator
 
-from steps import __version__
+from steps import __version__, schemas
 from steps.params import OUTPUTS, OUTPUTS_DIR
 from steps.errors import StepError
 
@@ -99,28 +99,51 @@ def inside(root: Path | str, rel: Any, where: str) -> Path:
     return path
 
 
-def read_manifest(root: Path, artifact: str) -> dict[str, Any]:
-    path = Path(root) / MANIFEST
-    if not path.is_file():
-        raise StepError(f"artifact '{artifact}' at {root}: {MANIFEST} is missing "
-                        "(the producing step did not finish)")
+def _real(path: Path | str) -> Path:
+    """``path`` absolute with every link resolved (as far as it exists)."""
+    return Path(os.path.abspath(path)).resolve()
+
+
+def _overlap(a: Path, b: Path) -> bool:
+    """Equal (by name after links, or the same file by inode), or one inside the other."""
+    real_a, real_b = _real(a), _real(b)
+    if real_a.is_relative_to(real_b) or real_b.is_relative_to(real_a):
+        return True
     try:
-        manifest = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise StepError(f"artifact '{artifact}' at {root}: {MANIFEST} is not valid JSON ({exc})")
-    if not isinstance(manifest, dict) or manifest.get("artifact") != artifact:
-        raise StepError(f"artifact '{artifact}' at {root}: {MANIFEST} names artifact "
-                        f"'{manifest.get('artifact') if isinstance(manifest, dict) else None}'")
-    if manifest.get("schema_version") != SCHEMA_VERSION:
-        raise StepError(f"artifact '{artifact}' at {root}: {MANIFEST} schema version "
-                        f"{manifest.get('schema_version')} is not {SCHEMA_VERSION}")
-    files = manifest.get("files")
-    if not isinstance(files, list) or not all(
-            isinstance(e, dict) and isinstance(e.get("path"), str)
-            and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str)
-            for e in files):
-        raise StepError(f"artifact '{artifact}' at {root}: {MANIFEST} 'files' must list "
-                        "{path, size, sha256} entries")
+        return os.path.samefile(a, b)        # hard links
+    except OSError:
+        return False
+
+
+def check_disjoint(outputs: dict[str, Path | str | None],
+                   inputs: dict[str, Path | str | None]) -> None:
+    """Refuse an output (flag -> local path) that equals, contains or lies inside an input
+    or another output, links resolved: writing there would change an artifact the step reads,
+    which then fails its own manifest. Every step calls it with its flags before any work;
+    None (an S3 place, an unset flag) is skipped."""
+    outs = [(flag, Path(path)) for flag, path in outputs.items() if path]
+    ins = [(flag, Path(path)) for flag, path in inputs.items() if path]
+    for index, (flag, path) in enumerate(outs):
+        for other, place in outs[index + 1:] + ins:
+            if _overlap(path, place):
+                raise StepError(f"{flag} {path} and {other} {place} overlap (the same place, "
+                                "or one inside the other): an output must lie apart from "
+                                "the step's inputs and other outputs")
+
+
+def read_manifest(root: Path, artifact: str) -> dict[str, Any]:
+    """``root``'s manifest checked against ``schemas.Manifest`` and naming ``artifact``."""
+    path = Path(root) / MANIFEST
+    where = f"artifact '{artifact}' at {root}: {MANIFEST}"
+    if not path.is_file():
+        raise StepError(f"{where} is missing (the producing step did not finish)")
+    manifest = schemas.read_json(path, where)
+    checked = schemas.validate(schemas.Manifest, manifest, where)
+    if checked.artifact != artifact:
+        raise StepError(f"{where} names artifact {checked.artifact!r}")
+    if checked.schema_version != SCHEMA_VERSION:
+        raise StepError(f"{where} schema version {checked.schema_version} is not "
+                        f"{SCHEMA_VERSION}")
     return manifest
 
 

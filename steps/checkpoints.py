@@ -49,6 +49,37 @@ def serialize(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
+def check_state(expected: dict[str, Any], state: dict[str, Any], where: str) -> None:
+    """Refuse a state dict whose names or shapes differ from ``expected`` (the network the
+    checkpoint's own config describes), or whose values are not all finite."""
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    resized = [k for k in sorted(set(expected) & set(state))
+               if tuple(expected[k].shape) != tuple(state[k].shape)]
+    if resized:
+        k = resized[0]
+        problem = (f"'{k}' has shape {list(state[k].shape)}, the config needs "
+                   f"{list(expected[k].shape)} ({len(resized)} tensors differ)")
+    elif missing:
+        problem = f"'{missing[0]}' is missing ({len(missing)} missing)"
+    elif unexpected:
+        problem = f"'{unexpected[0]}' is unexpected ({len(unexpected)} unexpected)"
+    else:
+        check_finite(state, where)
+        return
+    raise StepError(f"{where} does not match its model_config: {problem}")
+
+
+def check_finite(state: dict[str, torch.Tensor], where: str) -> None:
+    """Every floating-point tensor of ``state`` finite: a diverged run's weights are NaN/Inf
+    and every prediction from them is noise."""
+    bad = [name for name, tensor in state.items()
+           if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    if bad:
+        raise StepError(f"{where}: {len(bad)} of {len(state)} tensors hold NaN/Inf values "
+                        f"(first: '{bad[0]}'); the training diverged")
+
+
 def deserialize(data: bytes, source: str) -> dict[str, Any]:
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -130,7 +161,7 @@ class CheckpointStore:
         name = checkpoint_name(step)
         self.write_bytes(name, serialize(state))
         self.write_bytes(LATEST, name.encode())
-        self.prune(keep_best=state.get("best_file"))
+        self.prune(current=name, keep_best=state.get("best_file"))
         return name
 
     def latest_name(self) -> str | None:
@@ -157,12 +188,15 @@ class CheckpointStore:
                             f"{self._join(LATEST)} but missing")
         return deserialize(data, self._join(name))
 
-    def prune(self, keep_best: str | None = None) -> None:
-        """Keep the newest ``KEEP`` checkpoints and the best file in use; delete the rest."""
+    def prune(self, current: str | None = None, keep_best: str | None = None) -> None:
+        """Keep the newest ``KEEP`` checkpoints, the one ``latest`` names (``current``, even
+        when older ones from another run sort after it) and the best file in use; delete
+        the rest."""
         names = self.names()
-        ckpts = [n for n in names if _CKPT.match(n)]
-        doomed = ckpts[:-KEEP] + [n for n in names
-                                  if n.startswith("best-epoch") and n != keep_best]
+        others = [n for n in names if _CKPT.match(n) and n != current]
+        room = KEEP - 1 if current in names else KEEP
+        doomed = others[:max(len(others) - room, 0)]
+        doomed += [n for n in names if n.startswith("best-epoch") and n != keep_best]
         # Temporary files of writes killed before their rename (local stores only).
         doomed += [n for n in names if n.startswith(".") and n.endswith(".tmp")]
         for name in doomed:

@@ -39,10 +39,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from steps.artifacts import manifest_digest, publish, require, write_outputs
+from steps.artifacts import (check_disjoint, manifest_digest, publish, require,
+                             write_outputs)
 from steps.dataset import fold_names, open_cases, read_metadata
+from steps.checkpoints import check_state
 from steps.errors import StepError, run_main
-from steps import params, predict
+from steps import limits, params, predict, schemas
 
 STEP = "convert"
 CHECKPOINT = "best.pt"
@@ -53,7 +55,6 @@ CARD_FILE = "model-card.json"
 INPUT_NAME = "image"
 OUTPUT_NAME = "logits"
 CARD_FORMAT_VERSION = 1
-MIN_OPSET = params.by_name(params.CONVERT)["opset"].ge
 MAX_SIDE = 4096          # largest H or W the exported programs accept
 PARITY_BATCH = 16        # slices per forward pass in the parity runs
 BOUNDS = {
@@ -62,7 +63,6 @@ BOUNDS = {
     "argmax_agreement": 0.9999,   # fraction of pixels
     "dice_diff": 1e-4,            # per class, Dice against the label
 }
-_CHECKPOINT_KEYS = ("model_state", "model_config")
 
 
 # ------------------------------------------------------------------------------- CLI
@@ -98,57 +98,21 @@ def load_checkpoint(model_dir: Path) -> dict[str, Any]:
         reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
         raise StepError(f"{path}: not a readable checkpoint ({type(exc).__name__}: "
                         f"{reason})") from None
-    if not isinstance(ckpt, dict) or any(k not in ckpt for k in _CHECKPOINT_KEYS):
-        raise StepError(f"{path}: not a model checkpoint (needs keys "
-                        f"{', '.join(_CHECKPOINT_KEYS)})")
-    if ckpt.get("format_version", 1) != 1:
-        raise StepError(f"{path}: format_version {ckpt.get('format_version')} is not 1")
+    schemas.validate(schemas.ModelCheckpoint, ckpt, str(path))
     return ckpt
 
 
-def model_config_of(ckpt: dict[str, Any], path: Path):
-    from steps.model import ModelConfig
-
-    try:
-        return ModelConfig.from_dict(dict(ckpt["model_config"]))
-    except (TypeError, ValueError) as exc:
-        raise StepError(f"{path}: model_config is invalid ({exc})") from None
-
-
-def _state_mismatch(expected: dict[str, Any], state: dict[str, Any]) -> str | None:
-    """First difference between the config's parameter names/shapes and the checkpoint's."""
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    resized = [k for k in sorted(set(expected) & set(state))
-               if tuple(expected[k].shape) != tuple(getattr(state[k], "shape", ()))]
-    if resized:
-        k = resized[0]
-        return (f"'{k}' has shape {list(state[k].shape)}, the config needs "
-                f"{list(expected[k].shape)} ({len(resized)} tensors differ)")
-    if missing:
-        return f"'{missing[0]}' is missing ({len(missing)} missing)"
-    if unexpected:
-        return f"'{unexpected[0]}' is unexpected ({len(unexpected)} unexpected)"
-    return None
-
-
 def inference_network(ckpt: dict[str, Any], path: Path):
-    """(eval-mode DynUNet with one output, ModelConfig) from a checkpoint dict.
+    """(eval-mode DynUNet with one output, ModelConfig) from a checked checkpoint dict.
 
     The weights are first checked against the network that ``model_config`` describes (deep
     supervision heads included), then loaded without those heads, which inference never uses.
     """
-    from steps.model import build_model
+    from steps.model import ModelConfig, build_model
 
-    config = model_config_of(ckpt, path)
+    config = ModelConfig.from_dict(ckpt["model_config"])
     state = ckpt["model_state"]
-    if not isinstance(state, dict):
-        raise StepError(f"{path}: model_state is not a state dict")
-    problem = _state_mismatch(build_model(config).state_dict(), state)
-    if problem:
-        raise StepError(f"{path}: model_state does not match model_config "
-                        f"(base_filters={config.base_filters}, levels={config.levels}): "
-                        f"{problem}")
+    check_state(build_model(config).state_dict(), state, f"{path}: model_state")
     net = build_model(config, deep_supervision=False)
     net.load_state_dict({k: v for k, v in state.items() if k in net.state_dict()}, strict=True)
     return net.eval(), config
@@ -528,7 +492,7 @@ def read_inputs(args: argparse.Namespace) -> Inputs:
     meta = read_metadata(args.dataset)
     net, config = inference_network(ckpt, ckpt_path)
     _check_channels(ckpt, config, meta, ckpt_path)
-    fold = int((ckpt.get("train_config") or {}).get("fold", 0))
+    fold = (ckpt.get("train_config") or {}).get("fold", 0)     # checked by the schema
     groups, source = parity_inputs(args.dataset, meta, fold, args.parity_slices,
                                    config.size_multiple())
     reference = run_torch(net, groups)
@@ -556,9 +520,10 @@ def export_all(out: Path, inputs: Inputs, requested: int) -> int:
     contract = preprocessing_contract(inputs.meta, config.size_multiple())
     opset = write_onnx(program, example, out / ONNX_FILE, requested,
                        onnx_metadata(contract, dict(inputs.meta["labels"])))
-    if opset < MIN_OPSET:
-        raise StepError(f"--opset {requested}: the exporter produced opset {opset}")
-    if opset != requested:
+    if opset < requested:
+        raise StepError(f"--opset {requested}: the exporter produced opset {opset}; nothing "
+                        "published")
+    if opset != requested:   # torch 2.6/2.7 write 18 when asked for 17: newer, still honest
         print(f"convert: note: asked for opset {requested}, the exporter produced {opset}",
               file=sys.stderr)
     return opset
@@ -589,8 +554,22 @@ def write_results(out: Path, inputs: Inputs, parity: dict[str, Any], versions: d
                               "argmax_agreement": f"{parity['onnx']['argmax_agreement']:.6f}"})
 
 
+def check_opset(requested: int) -> None:
+    """An opset newer than the installed onnx knows cannot be produced: refused before any
+    work rather than published as an older one."""
+    import onnx
+
+    newest = onnx.defs.onnx_opset_version()
+    if requested > newest:
+        raise StepError(f"--opset {requested}: the installed onnx {onnx.__version__} knows "
+                        f"opsets up to {newest}")
+
+
 def convert(args: argparse.Namespace) -> int:
     start = time.perf_counter()
+    check_disjoint({"--exported": args.exported}, {"--model": args.model,
+                                                   "--dataset": args.dataset})
+    check_opset(args.opset)
     inputs = read_inputs(args)
     params = {"opset": args.opset, "parity_slices": args.parity_slices}
     with publish(args.exported, "exported", STEP, params) as out:
@@ -609,7 +588,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["predict"]:
         return predict.main(argv[1:])
-    return convert(parse_args(argv))
+    args = parse_args(argv)
+    limits.set_threads()
+    return convert(args)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ along y and W along x.
 """
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from steps import schemas
 from steps.artifacts import inside, require
 from steps.errors import StepError
 from steps.params import N_FOLDS
@@ -93,51 +93,15 @@ def read_metadata(dataset_dir: Path | str, check_hashes: bool = True) -> dict[st
     dataset_dir = Path(dataset_dir)
     require(dataset_dir, "dataset", check_hashes=check_hashes)
     where = f"artifact 'dataset' at {dataset_dir}: {DATASET_JSON}"
-    try:
-        meta = json.loads((dataset_dir / DATASET_JSON).read_text())
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise StepError(f"{where} cannot be read ({exc})") from None
-    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
-        raise StepError(f"{where} format_version "
-                        f"{meta.get('format_version') if isinstance(meta, dict) else None} "
-                        f"is not {FORMAT_VERSION}")
-    _check_structure(meta, where)
+    meta = schemas.read_json(dataset_dir / DATASET_JSON, where)
+    check_metadata(meta, where)
     return meta
 
 
-def _check_structure(meta: dict[str, Any], where: str) -> None:
-    """The keys that train and convert index, with their types; folds never validate on
-    their own training cases (whether a fold can train is train's check)."""
-    def need(ok: bool, what: str) -> None:
-        if not ok:
-            raise StepError(f"{where}: {what}")
-
-    labels, patch, cases = meta.get("labels"), meta.get("patch_size"), meta.get("cases")
-    need(isinstance(meta.get("channels"), list) and meta["channels"], "'channels' must be a "
-         "non-empty list")
-    need(isinstance(labels, dict) and 2 <= len(labels) <= 256
-         and sorted(labels) == sorted(str(i) for i in range(len(labels))),
-         "'labels' must map '0'..'N-1' (2 to 256 classes) to names")
-    need(isinstance(patch, list) and len(patch) == 2
-         and all(isinstance(n, int) and 1 <= n <= 4096 for n in patch),
-         "'patch_size' must be [H, W], each 1..4096")
-    need(isinstance(cases, list) and len(cases) >= 1, "'cases' must list at least one case")
-    for case in cases:
-        need(isinstance(case, dict) and all(isinstance(case.get(k), str)
-                                            for k in ("name", "image", "label"))
-             and isinstance(case.get("spacing"), list) and len(case["spacing"]) == 3,
-             "every case needs 'name', 'image', 'label' and 'spacing' [D, H, W]")
-    names = [case["name"] for case in cases]
-    need(len(set(names)) == len(names), "case names must be unique")
-    folds = meta.get("folds")
-    need(isinstance(folds, list) and folds and all(
-        isinstance(f, dict) and isinstance(f.get("train"), list) and isinstance(f.get("val"), list)
-        for f in folds), "'folds' must list {train, val} name lists")
-    for index, fold in enumerate(folds):
-        shared = sorted(set(fold["train"]) & set(fold["val"]))
-        need(not shared, f"fold {index} validates on its training case {shared[:1]}")
-        unknown = sorted(set(fold["train"] + fold["val"]) - set(names))
-        need(not unknown, f"fold {index} names unknown case {unknown[:1]}")
+def check_metadata(meta: Any, where: str) -> None:
+    """``meta`` against ``schemas.Dataset``: what preprocess publishes and its readers
+    accept (whether a fold can train is train's check)."""
+    schemas.validate(schemas.Dataset, meta, where)
 
 
 def fold_names(meta: dict[str, Any], fold: int) -> tuple[list[str], list[str]]:

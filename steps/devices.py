@@ -26,6 +26,7 @@ from typing import Any, Iterable
 
 import torch
 
+from steps import limits
 from steps.errors import StepError
 from steps.params import DEVICE_KINDS, HPU_MODES, OPTIMIZERS, PRECISIONS
 
@@ -118,11 +119,13 @@ def cuda_count() -> int:
 
 
 def available_count(kind: str) -> int:
+    """Devices of ``kind`` this process can use; for the CPU, the CPUs its cgroup quota,
+    affinity mask or ``UNET_CPUS`` gives it (not the node's cores)."""
     if kind == "hpu":
         return hpu_count()
     if kind == "cuda":
         return cuda_count()
-    return max(1, os.cpu_count() or 1)
+    return limits.cpu_count()
 
 
 def resolve_kind(requested: str, hpu_mode: str = "compile") -> str:

@@ -49,8 +49,8 @@ from urllib.request import Request, urlopen
 
 from tqdm import tqdm
 
-from steps import __version__, limits, uris
-from steps.artifacts import clean_relative, publish, sha256_file
+from steps import __version__, limits, schemas, uris
+from steps.artifacts import check_disjoint, clean_relative, publish, sha256_file
 from steps.errors import OneLineArgumentParser, StepError, run_main
 from steps.synthetic import MIN_SHAPE, TASK, write_msd_task
 from steps.uris import redact
@@ -62,9 +62,10 @@ DATASET_JSON = "dataset.json"
 PUBLISHED_MD5 = {"Task01_BrainTumour.tar": "240a19d752f0d9e9101544901065d872"}
 SYNTHETIC_DEFAULTS = {"cases": 10, "shape": "240x240x155", "seed": 0, "test": 0}
 
-HTTP_RETRIES = 5
-HTTP_BACKOFF_S = 1.0
-HTTP_TIMEOUT_S = 60.0
+HTTP_RETRIES = 5             # failed requests in a row without the file growing
+HTTP_BACKOFF_S = 1.0         # first wait; doubles per failure in a row, at most 60 s
+HTTP_TIMEOUT_S = 60.0        # one request's connect and read timeout
+HTTP_BUDGET_S = 6 * 3600.0   # no retry starts later than this after the download began
 TRANSIENT_HTTP = frozenset({408, 425, 429, 500, 502, 503, 504})
 _CHUNK = 1 << 20
 _ARCHIVE_ERRORS = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, lzma.LZMAError)
@@ -184,9 +185,10 @@ def forget_cached(dest: Path) -> None:
 def _trusted(dest: Path) -> bool:
     """A cached file is reused only with a mark whose size and sha256 it still has."""
     try:
-        mark = json.loads(dest.with_name(dest.name + _VERIFIED).read_text())
-        return (dest.stat().st_size == mark["size"] and sha256_file(dest) == mark["sha256"])
-    except (OSError, ValueError, KeyError, TypeError):
+        mark = schemas.load(dest.with_name(dest.name + _VERIFIED), schemas.CacheMark,
+                            f"{dest}{_VERIFIED}")
+        return dest.stat().st_size == mark.size and sha256_file(dest) == mark.sha256
+    except (OSError, StepError):
         return False
 
 
@@ -224,37 +226,45 @@ def s3_download(uri: str, dest: Path, progress: bool = True) -> Path:
 
 
 class _Transient(Exception):
-    """A network fault worth retrying; ``progressed`` when bytes arrived before it."""
-
-    def __init__(self, message: str, progressed: bool = False):
-        super().__init__(message)
-        self.progressed = progressed
+    """A network fault worth retrying (whether it made progress, the .part file's size says)."""
 
 
 def http_download(url: str, dest: Path, *, retries: int = HTTP_RETRIES,
                   backoff_s: float = HTTP_BACKOFF_S, timeout_s: float = HTTP_TIMEOUT_S,
-                  progress: bool = True) -> Path:
+                  budget_s: float = HTTP_BUDGET_S, progress: bool = True) -> Path:
     """Stream ``url`` to ``dest`` through ``dest.part``, resuming with Range requests.
 
-    A dropped connection that delivered bytes is resumed at once; a fault with no progress is
-    retried up to ``retries`` times with exponential backoff. Permanent HTTP errors (404, 403…)
-    fail at once with one line.
+    Every failed request is followed by a wait that doubles from ``backoff_s`` (at most 60 s)
+    and restarts only when the file has grown past its furthest point: a server that always
+    drops the connection at the same place, or ignores Range and starts over, is given up on
+    after ``retries`` more requests. No retry starts ``budget_s`` after the first request.
+    Permanent HTTP errors (404, 403…) fail at once with one line.
     """
     part = dest.with_name(dest.name + ".part")
-    failures = 0
+    failures, attempts, started = 0, 0, time.monotonic()
+    furthest = part.stat().st_size if part.exists() else 0
     with tqdm(desc=dest.name.split("-", 1)[-1], unit="B", unit_scale=True, unit_divisor=1024,
               disable=not progress, file=sys.stderr) as bar:
         while True:
+            attempts += 1
             try:
                 _http_attempt(url, part, timeout_s, bar)
                 break
             except _Transient as exc:
-                failures = 0 if exc.progressed else failures + 1
+                size = part.stat().st_size if part.exists() else 0
+                failures = 1 if size > furthest else failures + 1
+                furthest = max(furthest, size)
+                wait = min(backoff_s * 2 ** (failures - 1), 60.0)
+                elapsed = time.monotonic() - started
                 if failures > retries:
-                    raise StepError(f"download of {redact(url)} failed after {retries} "
-                                    f"retries: {exc}") from None
-                if failures:
-                    time.sleep(min(backoff_s * 2 ** (failures - 1), 60.0))
+                    raise StepError(f"download of {redact(url)} failed after {attempts} "
+                                    f"attempts ({failures} in a row without progress): "
+                                    f"{exc}") from None
+                if elapsed + wait > budget_s:
+                    raise StepError(f"download of {redact(url)} gave up after {attempts} "
+                                    f"attempts in {elapsed:.0f} s, its time budget of "
+                                    f"{budget_s:g} s ({exc})") from None
+                time.sleep(wait)
     os.replace(part, dest)
     part.with_name(part.name + ".validator").unlink(missing_ok=True)
     return dest
@@ -281,7 +291,7 @@ def _http_attempt(url: str, part: Path, timeout_s: float, bar: tqdm) -> None:
     except (URLError, http.client.HTTPException, ConnectionError, TimeoutError) as exc:
         raise _Transient(str(getattr(exc, "reason", exc))) from None
     with response:
-        offset, total = _resume_point(response, offset)
+        offset, total = _resume_point(response, offset, url)
         if total is not None:
             limits.check("max_download_bytes", total, f"download of {redact(url)}")
         if offset == 0:
@@ -292,8 +302,7 @@ def _http_attempt(url: str, part: Path, timeout_s: float, bar: tqdm) -> None:
         received = _stream(response, part, offset, bar, url)
     size = offset + received
     if total is not None and size < total:
-        raise _Transient(f"connection closed after {size} of {total} bytes",
-                         progressed=received > 0)
+        raise _Transient(f"connection closed after {size} of {total} bytes")
 
 
 def _note_validator(response, path: Path) -> None:
@@ -312,15 +321,18 @@ def _http_error(url: str, part: Path, offset: int, exc: HTTPError) -> None:
         if total == offset:
             return  # the .part file is already complete
         part.unlink()
-        raise _Transient("server refused to resume; restarting from zero", progressed=True)
+        raise _Transient("server refused to resume; restarting from zero")
     if exc.code in TRANSIENT_HTTP:
         raise _Transient(f"HTTP {exc.code} {exc.reason}")
     raise StepError(f"download of {redact(url)} failed: HTTP {exc.code} {exc.reason}")
 
 
-def _resume_point(response, offset: int) -> tuple[int, int | None]:
+def _resume_point(response, offset: int, url: str) -> tuple[int, int | None]:
     """(offset to append at, total size or None) from a 200 or 206 response."""
     length = response.headers.get("Content-Length")
+    if length is not None and not length.strip().isdigit():
+        raise StepError(f"download of {redact(url)}: the server sent Content-Length "
+                        f"{length!r:.40}, not a number of bytes")
     if response.status == 206:
         match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)",
                              response.headers.get("Content-Range", "").strip())
@@ -351,8 +363,7 @@ def _stream(response, part: Path, offset: int, bar: tqdm, url: str) -> int:
                 try:
                     chunk = response.read(_CHUNK)
                 except (http.client.HTTPException, ConnectionError, TimeoutError) as exc:
-                    raise _Transient(f"connection lost ({exc.__class__.__name__})",
-                                     progressed=received > 0) from None
+                    raise _Transient(f"connection lost ({exc.__class__.__name__})") from None
                 if not chunk:
                     return received
                 if offset + received + len(chunk) > allowed:
@@ -411,6 +422,24 @@ def member_target(member: tarfile.TarInfo, archive: Path) -> PurePosixPath | Non
     return rel
 
 
+_METADATA_BLOCKS = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
+                    tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """A tar header whose metadata blocks (PAX headers, GNU long names and links) are held
+    to ``max_tar_header_bytes`` before tarfile reads one whole into memory: a 10 MB .tar.gz
+    can declare a 2 GiB PAX header. tarfile builds every header, nested ones included,
+    through this class's ``_proc_member``."""
+
+    def _proc_member(self, tarfile_):
+        if self.type in _METADATA_BLOCKS:
+            limits.check("max_tar_header_bytes", self.size,
+                         f"tar header block (type {self.type.decode(errors='replace')!r}) at "
+                         f"byte {self.offset}")
+        return super()._proc_member(tarfile_)
+
+
 class _CountingReader:
     """File wrapper that reports bytes read to a progress bar (for streamed extraction)."""
 
@@ -456,7 +485,8 @@ def extract_tar(archive: Path, dest: Path, progress: bool = True) -> int:
                                              unit="B", unit_scale=True, unit_divisor=1024,
                                              disable=not progress, file=sys.stderr) as bar:
         try:
-            with tarfile.open(fileobj=_CountingReader(handle, bar), mode="r|*") as tar:
+            with tarfile.open(fileobj=_CountingReader(handle, bar), mode="r|*",
+                              tarinfo=_BoundedTarInfo) as tar:
                 for member in tar:
                     rel = member_target(member, archive)
                     budget.take(member.name, member.size if member.isfile() else 0)
@@ -535,50 +565,17 @@ def copy_task(task: Path, root: Path, dest: Path) -> None:
 
 # ----------------------------------------------------------------------------- validation
 
-def read_spec(path: Path) -> dict[str, Any]:
-    """The task's ``dataset.json`` as a JSON object."""
-    where = f"{TASK}/{DATASET_JSON}"
-    try:
-        meta = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise StepError(f"{where} is not valid JSON: {exc}") from None
-    except OSError as exc:
-        raise StepError(f"{where} cannot be read ({exc.strerror or exc})") from None
-    if not isinstance(meta, dict):
-        raise StepError(f"{where} must hold a JSON object")
-    return meta
+def read_spec(path: Path) -> schemas.RawTask:
+    """The task's ``dataset.json``, checked against the schema preprocess reads it with."""
+    return schemas.load(path, schemas.RawTask, f"{TASK}/{DATASET_JSON}")
 
 
-def listed_paths(meta: dict[str, Any], where: str) -> list[str]:
-    """Every image and label path ``dataset.json`` lists, each a clean relative path.
-
-    The structure is checked here: the modality and labels maps, the training list (at most
-    ``max_cases``), the counts, and each entry's paths.
-    """
-    for key in ("modality", "labels"):
-        if not isinstance(meta.get(key), dict) or not meta[key]:
-            raise StepError(f"{where} has no '{key}' map")
-    training = meta.get("training")
-    if not isinstance(training, list) or not training:
-        raise StepError(f"{where} has no 'training' list")
-    test = meta.get("test", [])
-    if not isinstance(test, list):
-        raise StepError(f"{where}: 'test' must be a list")
-    limits.check("max_cases", len(training) + len(test), f"{where}: training + test")
-    for key, entries in (("numTraining", training), ("numTest", test)):
-        if key in meta and meta[key] != len(entries):
-            raise StepError(f"{where}: {key} is {meta[key]} but the list has {len(entries)}")
-    paths = []
-    for index, entry in enumerate(training):
-        if not isinstance(entry, dict) or not all(isinstance(entry.get(k), str)
-                                                  for k in ("image", "label")):
-            raise StepError(f"{where}: training[{index}] needs 'image' and 'label' paths")
-        paths += [entry["image"], entry["label"]]
-    for index, entry in enumerate(test):
-        image = entry.get("image") if isinstance(entry, dict) else entry
-        if not isinstance(image, str):
-            raise StepError(f"{where}: test[{index}] is not an image path")
-        paths.append(image)
+def listed_paths(spec: schemas.RawTask, where: str) -> list[str]:
+    """Every image and label path ``dataset.json`` lists (at most ``max_cases`` cases),
+    each a clean relative path."""
+    limits.check("max_cases", len(spec.training) + len(spec.test), f"{where}: training + test")
+    paths = [path for entry in spec.training for path in (entry.image, entry.label)]
+    paths += [entry if isinstance(entry, str) else entry.image for entry in spec.test]
     for listed in paths:
         if clean_relative(listed) is None:
             raise StepError(f"{where} lists '{listed}', which is not a path inside {TASK}")
@@ -591,11 +588,11 @@ def validate_task(task: Path) -> tuple[int, int]:
     Errors name the task-relative file: the first missing image or label, or the bad key.
     """
     where = f"{TASK}/{DATASET_JSON}"
-    meta = read_spec(task / DATASET_JSON)
-    for rel in listed_paths(meta, where):
+    spec = read_spec(task / DATASET_JSON)
+    for rel in listed_paths(spec, where):
         if not task.joinpath(*PurePosixPath(rel).parts).is_file():
             raise StepError(f"{where} lists {rel} but {TASK}/{rel} is missing")
-    return len(meta["training"]), len(meta.get("test", []))
+    return len(spec.training), len(spec.test)
 
 
 # ----------------------------------------------------------------------------- the step
@@ -669,6 +666,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     source = parse_source(args.source)
     md5 = resolve_md5(args.md5, source)
     raw = Path(args.raw)
+    check_disjoint({"--raw": raw, "--cache-dir": args.cache_dir}, {"--source": source.path})
+    if args.cache_dir:
+        try:
+            Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StepError(f"--cache-dir {args.cache_dir}: cannot create it "
+                            f"({exc.strerror or exc})") from None
     progress = not args.no_progress
     params = {"source": redact(source.uri), "md5": args.md5}
     started = time.monotonic()

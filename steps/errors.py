@@ -5,25 +5,54 @@ unreachable storage). :func:`run_main` turns it into a single ``error: ...`` lin
 and exit 2, which Argo does not retry. An unexpected exception exits 1 (retried) with one
 line naming the step and the exception first, then its traceback; ``MemoryError`` says that
 memory ran out. Control characters in a message are escaped, so a hostile file name cannot
-split the line or drive the terminal.
+split the line or drive the terminal, and a line is cut to MAX_LINE characters. SIGTERM and
+SIGINT unwind the step like an error (so its clean-up runs) and exit 128 + the signal.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
+import signal
 import sys
+import threading
 import traceback
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 EXIT_INPUT_ERROR = 2
+# Where a step also writes its input-error line, when set. The multi-node job's pods set it:
+# torchrun turns a worker's exit 2 into its own exit 1, and the job object carries no exit code,
+# so this file is how the job learns that its input was bad (workflows/multinode.py).
+INPUT_ERROR_FILE_ENV = "UNET_INPUT_ERROR_FILE"
 EXIT_UNEXPECTED = 1
+MAX_LINE = 600            # characters of one error line: a quoted input is cut in its middle
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")   # C0, DEL, C1, line separators
 
 
 def one_line(text: str) -> str:
-    """``text`` as one printable line: every control character, line breaks included, is
-    escaped (``\\n``, ``\\x1b``)."""
-    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), str(text).strip())
+    """``text`` as one printable line of at most MAX_LINE characters: every control
+    character, line breaks included, is escaped (``\\n``, ``\\x1b``), and the middle of a
+    longer line is cut (a quoted 5 MB file name stays a line a person can read)."""
+    text = str(text).strip()
+    if len(text) > 4 * MAX_LINE:      # escaping can only lengthen: cut before it, cheaply
+        text = text[:2 * MAX_LINE] + text[-2 * MAX_LINE:]
+    line = _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
+    if len(line) <= MAX_LINE:
+        return line
+    keep = (MAX_LINE - 20) // 2
+    return f"{line[:keep]} [...cut...] {line[-keep:]}"
+
+
+def report_input_error(message: str) -> None:
+    """Print the one ``error:`` line of an input error; also write it to the file that
+    ``UNET_INPUT_ERROR_FILE`` names, when set (one write, so concurrent ranks cannot mix)."""
+    line = f"error: {one_line(message)}"
+    print(line, file=sys.stderr)
+    path = os.environ.get(INPUT_ERROR_FILE_ENV)
+    if path:
+        with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as f:
+            f.write(line + "\n")
 
 
 class StepError(Exception):
@@ -47,19 +76,60 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        print(f"error: {one_line(f'{self.prog}: {message}')}", file=sys.stderr)
+        report_input_error(f"{self.prog}: {message}")
         sys.exit(EXIT_INPUT_ERROR)
+
+
+class Stopped(BaseException):
+    """SIGTERM (Argo's deadline or stop, an eviction) or SIGINT (Ctrl-C) as an exception:
+    the step unwinds as it does from an error, so every clean-up runs (``publish`` empties
+    its output, a download drops its staging folder)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _stop(signum: int, _frame) -> None:
+    for sig in _STOP_SIGNALS:       # the clean-up runs once, not cut short by a second signal
+        signal.signal(sig, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGINT raise :class:`Stopped` while the block runs (main thread only:
+    Python delivers signals there); the previous handlers come back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _stop) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run_main(main: Callable[[Sequence[str] | None], int | None],
              argv: Sequence[str] | None = None) -> int:
-    """Call ``main(argv)``; report any failure as one ``error:`` line; return the exit status."""
+    """Call ``main(argv)``; report any failure as one ``error:`` line; return the exit status
+    (128 + the signal's number when SIGTERM or SIGINT stopped it)."""
     step = main.__module__
     try:
-        return int(main(argv) or 0)
+        with _stop_on_signals():
+            return int(main(argv) or 0)
     except StepError as exc:
-        print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        report_input_error(str(exc))
         return EXIT_INPUT_ERROR
+    except Stopped as stop:
+        name = signal.Signals(stop.signum).name
+        print(f"error: {step}: stopped by {name}; unfinished outputs were removed",
+              file=sys.stderr)
+        return 128 + stop.signum
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

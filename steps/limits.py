@@ -5,11 +5,21 @@ Each limit is a named setting with a default sized for the real dataset (MSD Tas
 variable that overrides it (``UNET_MAX_<NAME>``; on a cluster, ``extra_env`` in the pipeline
 config). A value over a limit is refused before anything is allocated or written, with one
 line that names the input, the value, the limit and how to raise it.
+
+The same home reads what the process really has, from its cgroup (v1 and v2), affinity mask
+and overrides: :func:`memory_bytes` for the memory limits, :func:`cpu_count` for every thread
+pool and worker count (``os.cpu_count()`` is the node's cores, not the pod's share).
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import re
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
 
 from steps.errors import StepError
 
@@ -41,6 +51,11 @@ LIMITS = {limit.name: limit for limit in (
           "one NIfTI volume, header and voxels, as its header declares it decompressed"),
     Limit("max_cases", 5_000, "cases",
           "cases of a dataset.json or a synthetic:// source"),
+    Limit("max_json_bytes", 64 * MiB, "bytes",
+          "one JSON metadata file (dataset.json, MANIFEST.json, model-card.json)"),
+    Limit("max_tar_header_bytes", 1 * MiB, "bytes",
+          "one metadata block of a tar archive (a PAX header, a GNU long name), which is "
+          "read whole into memory"),
     Limit("max_memory_fraction", 80, "% of memory",
           "share of the step's memory that one planned allocation (a training batch, a "
           "synthetic volume) may take"),
@@ -50,15 +65,22 @@ LIMITS = {limit.name: limit for limit in (
 def get(name: str) -> int:
     """The limit's value: ``UNET_<NAME>`` when set (a positive integer), else its default."""
     limit = LIMITS[name]
-    raw = os.environ.get(limit.env, "").strip()
+    value = env_int(limit.env, minimum=1)
+    return limit.default if value is None else value
+
+
+def env_int(env: str, minimum: int) -> int | None:
+    """The integer in the environment variable ``env`` (None when unset or empty); anything
+    else, or a value below ``minimum``, is a one-line StepError naming it."""
+    raw = os.environ.get(env, "").strip()
     if not raw:
-        return limit.default
+        return None
     try:
         value = int(raw)
     except ValueError:
-        raise StepError(f"{limit.env}={raw!r} is not an integer") from None
-    if value < 1:
-        raise StepError(f"{limit.env}={value} must be at least 1")
+        raise StepError(f"{env}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise StepError(f"{env}={value} must be at least {minimum}")
     return value
 
 
@@ -80,15 +102,133 @@ def check(name: str, value: int, what: str) -> None:
                         f"{allowed} ({limit.help}; set {limit.env} to change it)")
 
 
-def memory_bytes() -> int:
-    """Memory this process may use: the cgroup limit when there is one, else physical RAM."""
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = open(path).read().strip()
-        except OSError:
+# ------------------------------------------------------------------ the cgroup's share
+
+CPUS_ENV = "UNET_CPUS"   # the templates set it from the pod's CPU request (downward API)
+
+
+def _unescape(field: str) -> str:
+    """A /proc/self/mountinfo path field: spaces, tabs, newlines and backslashes come octal."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
+
+
+def cgroup_dirs(controller: str, root: Path = Path("/")) -> Iterator[Path]:
+    """The directories of this process's cgroup for ``controller`` ("cpu", "memory"), then
+    each ancestor up to the mount: a limit set on any of them applies. Both cgroup v1 (one
+    mount per controller) and v2 (one ``cgroup2`` mount) are read, so a hybrid host gives
+    both; inside a container the mount's root is the container's own cgroup. ``root``
+    prefixes /proc and the mount points (a fake tree in tests)."""
+    try:
+        groups = (root / "proc/self/cgroup").read_text().splitlines()
+        mounts = (root / "proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return
+    paths = {}                     # "v2" or a v1 controller -> the process's cgroup path
+    for line in groups:
+        hid, controllers, path = line.split(":", 2)
+        for name in (["v2"] if hid == "0" else controllers.split(",")):
+            paths[name] = path
+    for line in mounts:
+        fields = line.split()
+        fstype, _source, options = fields[fields.index("-") + 1:][:3]
+        if fstype == "cgroup2":
+            kind = "v2"
+        elif fstype == "cgroup" and controller in options.split(","):
+            kind = controller
+        else:
             continue
-        if text.isdigit() and int(text) < 1 << 60:
-            return int(text)
+        if kind not in paths:
+            continue
+        mount_root, point = _unescape(fields[3]), root / _unescape(fields[4]).lstrip("/")
+        rel = os.path.relpath(paths[kind], mount_root)
+        here = point if rel.startswith("..") else point / rel   # outside the mount: its top
+        while True:
+            yield here
+            if here == point:
+                break
+            here = here.parent
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _cpu_quota(directory: Path) -> float | None:
+    """CPUs allowed by one cgroup directory (quota / period), None when it sets none."""
+    v2 = _read(directory / "cpu.max")                      # "max 100000" or "150000 100000"
+    if v2 is not None:
+        quota, _, period = v2.partition(" ")
+    else:
+        quota = _read(directory / "cpu.cfs_quota_us") or "-1"   # -1: no quota
+        period = _read(directory / "cpu.cfs_period_us") or "0"
+    if not (quota.isdigit() and period.isdigit()) or int(period) == 0:
+        return None
+    return int(quota) / int(period)
+
+
+def _cpus_override() -> int | None:
+    """``UNET_CPUS`` as a count; unset, empty or 0 (the downward API's value for a pod
+    without a CPU request) is no override."""
+    return env_int(CPUS_ENV, minimum=0) or None
+
+
+def cpu_count(root: Path = Path("/")) -> int:
+    """CPUs this process really has, for sizing every thread pool and worker count.
+
+    ``UNET_CPUS`` when set (an explicit override; each step template sets it from its pod's
+    CPU request, so a pod without a CPU limit still sizes to its share), else the fewer of
+    the CPUs in the affinity mask (cpusets) and the tightest cgroup CPU quota on the path
+    to the process's cgroup, rounded up (1.5 CPUs: 2 threads). ``os.cpu_count()`` is the
+    node's cores, which on a 96-core node with an 8-CPU limit oversubscribes 12 times.
+    """
+    override = _cpus_override()
+    if override:
+        return override
+    count = len(os.sched_getaffinity(0))
+    quotas = [q for d in cgroup_dirs("cpu", root) if (q := _cpu_quota(d)) is not None]
+    if quotas:
+        count = min(count, math.ceil(min(quotas)))
+    return max(1, count)
+
+
+def threads(root: Path = Path("/")) -> int:
+    """Threads for one compute pool (torch, onnxruntime, OpenVINO): ``OMP_NUM_THREADS`` when
+    set (a parent, e.g. the DDP launcher, gives each child its share), else
+    :func:`cpu_count`."""
+    raw = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else cpu_count(root)
+
+
+def set_threads(count: int | None = None) -> int:
+    """Size this process's compute threads to ``count`` (default :func:`threads`) and return
+    it. ``OMP_NUM_THREADS`` is exported: torch reads it at its first import, and child
+    processes (spawned workers, the DDP launcher's, convert's clean load) inherit it. Where
+    torch is imported already its pools are set now; it is not imported here, since download
+    runs without it."""
+    n = count or threads()
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(n)
+        with contextlib.suppress(RuntimeError):   # fixed once inter-op work has started
+            torch.set_num_interop_threads(n)
+    return n
+
+
+def memory_bytes(root: Path = Path("/")) -> int:
+    """Memory this process may use: the tightest cgroup limit on its cgroup's path (v2
+    ``memory.max``, v1 ``memory.limit_in_bytes``), else physical RAM."""
+    found = []
+    for directory in cgroup_dirs("memory", root):
+        for name in ("memory.max", "memory.limit_in_bytes"):
+            text = _read(directory / name) or ""
+            if text.isdigit() and int(text) < 1 << 60:
+                found.append(int(text))
+    if found:
+        return min(found)
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):  # pragma: no cover - not a POSIX system

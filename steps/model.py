@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 NORMS = ("instance", "batch", "group")
+GROUPS = 16            # group norm's groups: every level's filters must be a multiple
+MAX_FILTERS = 512      # the anchors' widest level; also the bound on what a checkpoint may ask
 
 
 @dataclass(frozen=True)
@@ -22,7 +24,7 @@ class ModelConfig:
     in_channels: int = 4
     out_channels: int = 4
     base_filters: int = 32
-    max_filters: int = 512
+    max_filters: int = MAX_FILTERS
     levels: int = 6
     norm: str = "instance"
     deep_supervision: bool = True
@@ -58,7 +60,7 @@ def _norm_name(norm: str):
     if norm == "batch":
         return "BATCH"
     if norm == "group":
-        return ("GROUP", {"num_groups": 16})
+        return ("GROUP", {"num_groups": GROUPS})
     raise ValueError(f"norm must be one of {NORMS}, got '{norm}'")
 
 

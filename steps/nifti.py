@@ -80,33 +80,42 @@ def _read(path: Path) -> bytes:
 def _inflate(raw: bytes, need: int) -> tuple[memoryview, bool]:
     """(up to ``need`` bytes inflated from the gzip file ``raw``, whether more follow them).
 
-    Compressed input goes in 1 MiB at a time (zlib copies whatever it has not consumed) and
-    output comes out in 8 MiB pieces into one buffer of ``need`` bytes, member after member.
+    isal inflates the whole volume in one ``decompress(data, max_length)`` call, straight
+    into the bytes object that becomes the volume's buffer: it grows one buffer in place.
+    CPython's zlib builds such a call's output from blocks and joins them (a copy into
+    fresh pages, slower than pieces), so with zlib the output comes in 8 MiB pieces copied
+    into one buffer of ``need`` bytes. Each call gets compressed input for its output plus
+    1 MiB, since the decoder copies input it leaves unconsumed. Members follow one another.
     A stream that ends early gives fewer bytes; past ``need`` at most one byte is inflated,
     so a bomb behind a small header costs nothing.
     """
-    view, pos = memoryview(raw), 0
-    out, total = memoryview(bytearray(need)), 0
+    piece = _CHUNK if _zlib is zlib else need
+    view, pos, out, total = memoryview(raw), 0, None, 0
     inflate, data = _zlib.decompressobj(31), b""
     while True:
         if inflate.eof:
             rest = inflate.unused_data + view[pos:]     # at the end of a member only
             if not rest.strip(b"\0"):                   # gzip allows zero padding at the end
-                return out[:total], False
+                return memoryview(out or b"")[:total], False
             inflate, data, view, pos = _zlib.decompressobj(31), b"", memoryview(rest), 0
             continue
         if not data:
             if pos >= len(view):
                 if total < need:
-                    return out[:total], False
+                    return memoryview(out or b"")[:total], False
                 raise EOFError("the gzip stream ends without its trailer")
-            data, pos = view[pos:pos + _INPUT], pos + _INPUT
+            step = min(need - total, piece) + _INPUT
+            data, pos = view[pos:pos + step], pos + step
         if total < need:
-            part = inflate.decompress(data, min(need - total, _CHUNK))
-            out[total:total + len(part)] = part
+            part = inflate.decompress(data, min(need - total, piece))
+            if out is None and len(part) == need:
+                out = part                              # the whole volume in one call
+            elif part:
+                out = out if out is not None else memoryview(bytearray(need))
+                out[total:total + len(part)] = part
             total += len(part)
         elif inflate.decompress(data, 1):
-            return out, True
+            return memoryview(out), True
         data = inflate.unconsumed_tail
 
 
@@ -219,7 +228,7 @@ def load(path: Path | str) -> Volume:
         if more:
             raise StepError(f"{path}: bytes left over after the {need} bytes of header and "
                             "voxel data the header declares")
-    except (EOFError, ValueError, zlib.error) as exc:
+    except (EOFError, ValueError, zlib.error, _zlib.error) as exc:   # isal: IsalError
         raise StepError(f"{path}: truncated or corrupt {'gzip' if gz else 'file'} "
                         f"({exc})") from None
     zooms, affine, slope, inter = _geometry(path, header, len(shape))

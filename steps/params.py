@@ -12,6 +12,7 @@ This module imports nothing heavy: the config and the workflow compile without t
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any, Iterable
 
 from steps import uris
 from steps.errors import OneLineArgumentParser
+from steps.model import GROUPS, MAX_FILTERS
 
 DEVICE_KINDS = ("auto", "hpu", "cuda", "cpu")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -26,6 +28,9 @@ HPU_MODES = ("compile", "lazy", "eager")
 OPTIMIZERS = ("adamw", "fusedadamw", "sgd")
 N_FOLDS = 5
 OUTPUTS_DIR = "argo-outputs"   # under an output artifact: one small text file per value
+MAX_SIDE = 4096                # largest patch H or W; the exported programs accept up to it
+MAX_SEED = 2 ** 32 - 1         # numpy's legacy RandomState takes no more
+_SIDE = r"(?:[1-9][0-9]{0,2}|[1-3][0-9]{3}|40[0-8][0-9]|409[0-6])"   # 1..MAX_SIDE
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class Param:
     gt: float | None = None
     le: float | None = None
     pattern: str | None = None      # a full match for str values
+    pattern_help: str = ""          # what a matching value looks like, for the error line
     uri_kinds: tuple[str, ...] = ()  # a URI read by steps.uris with these schemes
     ui: bool = False                # a workflow parameter (the Argo UI's submit form)
     shapes_output: bool = True      # False: cannot change a byte of the output (memo key)
@@ -69,17 +75,26 @@ class Param:
                                  (self.le, lambda b: value > b, "<=")):
             if bound is not None and bad(bound):
                 return f"must be {word} {bound:g} (got {self.text(value)})"
+        if self.mismatch(value):
+            return f"{self.mismatch(value)} (got {value!r:.80})"
+        return None
+
+    def mismatch(self, value: str) -> str | None:
+        """What is wrong with a str ``value`` against ``pattern``, or None."""
         if self.pattern and not re.fullmatch(self.pattern, value):
-            return f"must match {self.pattern} (got {value!r})"
+            return f"must {self.pattern_help or f'match {self.pattern}'}"
         return None
 
     def parse(self, text: str) -> Any:
-        """The argparse ``type``: text to a checked value, or ArgumentTypeError."""
+        """The argparse ``type``: text to a checked value, or ArgumentTypeError. A float
+        must be finite: NaN passes every bound (each comparison is false)."""
         try:
             value = _PARSERS[self.type](text)
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"expected {_TYPE_WORDS[self.type]}, got {text!r}") from None
+        if self.type is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
         problem = self.problem(value)
         if problem:
             raise argparse.ArgumentTypeError(problem)
@@ -105,21 +120,24 @@ DOWNLOAD = (
                "msd-for-monai buckets are read anonymously), file:///path to a .tar or an "
                "extracted task, or synthetic://?cases=N&shape=HxWxD&seed=S&test=M"),
     Param("md5", str, "auto", ui=True, pattern=r"(auto|[0-9a-f]{32})?",
+          pattern_help="be 32 lower-case hexadecimal digits, auto, or empty",
           help="md5 of the downloaded archive, checked before extraction; auto: the "
                "published digest of Task01_BrainTumour.tar; empty: no check"),
 )
 
 PREPROCESS = (
     Param("workers", int, 1, ge=1, shapes_output=False,
-          help="worker processes, each holding about two volumes; the output is identical "
-               "for any value"),
+          help="worker processes, each holding about two volumes; at most the step's CPUs "
+               "(cgroup quota, affinity or UNET_CPUS), which the workers share as threads; "
+               "the output is identical for any value"),
     Param("image_dtype", str, "auto", choices=("auto", "float16", "float32"), ui=True,
           help="dtype of the stored images; auto: float16 (its rounding error is measured "
                "and recorded), float32 with mode anchor"),
     Param("mode", str, "default", choices=("default", "anchor"),
           help="default: keep the whole in-plane foreground, reoriented to RAS+; anchor: "
                "the anchors' zero pad and centre crop in stored voxel order"),
-    Param("patch_size", str, "192x160", pattern=r"[1-9][0-9]*x[1-9][0-9]*", ui=True,
+    Param("patch_size", str, "192x160", pattern=f"{_SIDE}x{_SIDE}", ui=True,
+          pattern_help=f"be HxW, each side 1..{MAX_SIDE}",
           help="training patch HxW in voxels: recorded, and the in-plane pad/crop size"),
 )
 
@@ -136,8 +154,10 @@ TRAIN = (
     Param("cuda_compile", bool, False,
           help="torch.compile the network on a CUDA GPU (elsewhere: no effect)"),
     Param("num_workers", int, 2, ge=0,
-          help="DataLoader worker processes building batches (0: in process)"),
-    Param("base_filters", int, 32, ge=1,
+          help="DataLoader worker processes building batches (0: in process); at most each "
+               "rank's share of the step's CPUs (cgroup quota, affinity or UNET_CPUS) less "
+               "one, for the rank's own training threads"),
+    Param("base_filters", int, 32, ge=1, le=MAX_FILTERS,
           help="filters of the first level (the anchors: 32), doubled per level"),
     Param("levels", int, 6, ge=2, le=8,
           help="U-Net levels (the anchors: 6), at least 4 with deep supervision; H and W "
@@ -164,7 +184,8 @@ TRAIN = (
     Param("fold", int, 0, ge=0, le=N_FOLDS - 1, ui=True,
           help=f"validation fold (0..{N_FOLDS - 1}) of the dataset's split; the dataset "
                "must have that fold and cases on both sides of it"),
-    Param("seed", int, 1, ge=0, help="seed of initialisation, batches and augmentation"),
+    Param("seed", int, 1, ge=0, le=MAX_SEED,
+          help="seed of initialisation, batches and augmentation"),
     Param("checkpoint_minutes", float, 10.0, ge=0,
           help="also checkpoint within an epoch at this interval (0: at epoch ends only)"),
     Param("resume", str, "auto", choices=("auto", "never"),
@@ -182,10 +203,11 @@ CONVERT = (
 QUANTIZE = (
     Param("calibration_slices", int, 128, ge=8, le=100_000,
           help="training-fold slices whose activations set the INT8 ranges"),
-    Param("calibration_seed", int, 0, ge=0, help="seed of the calibration slices' draw"),
+    Param("calibration_seed", int, 0, ge=0, le=MAX_SEED,
+          help="seed of the calibration slices' draw"),
     Param("calibration_method", str, "percentile", choices=("minmax", "entropy", "percentile"),
           help="how onnxruntime turns calibration activations into ranges (percentile "
-               "99.999 lost the least Dice in measurements, README)"),
+               "99.999 lost the least Dice in measurements, docs/usage.md)"),
     Param("float_layers", str, "first-last", choices=("first-last", "none"),
           help="convolutions kept in floating point: the first and the last, or none"),
 )
@@ -250,6 +272,9 @@ def check_uris(values: Any, params: Iterable[Param]) -> None:
 def train_relations(values: Any, nodes: int = 1) -> list[tuple[str, str]]:
     """(parameter, what is wrong) for train parameters that are wrong together."""
     out = []
+    if values.norm == "group" and values.base_filters % GROUPS:
+        out.append(("norm", f"group uses {GROUPS} groups: base_filters must be a multiple of "
+                            f"{GROUPS}, got {values.base_filters}"))
     if values.deep_supervision and values.levels < 4:
         out.append(("levels", f"must be >= 4 with deep supervision (two extra heads), "
                               f"got {values.levels}"))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from steps import limits
+from steps import limits, schemas
+from steps.artifacts import check_disjoint
 from steps.errors import OneLineArgumentParser, StepError, run_main
 
 INPUT_NAME = "image"
@@ -61,6 +61,8 @@ def open_session(path: Path | str):
         raise StepError(f"--onnx {path}: no such file")
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    # onnxruntime's default is one thread per core of the node, whatever the pod's share
+    options.intra_op_num_threads = limits.threads()
     try:
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
@@ -69,37 +71,28 @@ def open_session(path: Path | str):
 
 
 def read_contract(session, path: Path | str) -> dict[str, Any]:
-    """The preprocessing contract that steps.convert stored in the model's metadata_props."""
+    """The preprocessing contract that steps.convert stored in the model's metadata_props,
+    checked against ``schemas.Contract`` and the graph."""
     props = session.get_modelmeta().custom_metadata_map
-    try:
-        contract = json.loads(props["preprocessing"])
-        contract["labels"] = json.loads(props["labels"])
-        int(contract["size_multiple"])
-        list(contract["channels"])
-    except (KeyError, ValueError, TypeError):
-        raise StepError(f"--onnx {path}: no preprocessing metadata (not written by "
-                        "steps.convert)") from None
+    where = f"--onnx {path}: metadata"
+    if "preprocessing" not in props or "labels" not in props:
+        raise StepError(f"{where} has no preprocessing contract (not written by "
+                        "steps.convert)")
+    contract = schemas.parse_json(props["preprocessing"], f"{where} 'preprocessing'")
+    labels = schemas.parse_json(props["labels"], f"{where} 'labels'")
+    if isinstance(contract, dict):
+        contract["labels"] = labels
+    schemas.validate(schemas.Contract, contract, where)
     check_contract(session, contract, path)
     return contract
 
 
 def check_contract(session, contract: dict[str, Any], path: Path | str) -> None:
-    """The metadata must be sane and agree with the graph: input ``image`` (N, C, H, W) with
-    C channels, output ``logits`` (N, K, H, W) with K the number of labels (where the graph
-    fixes those dimensions; :func:`segment` checks K again on what the model returns)."""
+    """The (schema-checked) metadata must agree with the graph: input ``image``
+    (N, C, H, W) with C channels, output ``logits`` (N, K, H, W) with K the number of labels
+    (where the graph fixes those dimensions; :func:`segment` checks K again on what the
+    model returns)."""
     labels, channels = contract["labels"], contract["channels"]
-    multiple = contract["size_multiple"]
-    if not (isinstance(labels, dict) and 2 <= len(labels) <= 256
-            and sorted(labels) == sorted(str(i) for i in range(len(labels)))):
-        raise StepError(f"--onnx {path}: metadata 'labels' must map '0'..'N-1' (2 to 256 "
-                        "classes) to names")
-    if not (isinstance(multiple, int) and 1 <= multiple <= 1024):
-        raise StepError(f"--onnx {path}: metadata size_multiple {multiple!r} is not 1..1024")
-    if not (isinstance(channels, list) and channels
-            and all(isinstance(c, str) for c in channels)):
-        raise StepError(f"--onnx {path}: metadata 'channels' must be a list of names")
-    if contract.get("mode", "default") not in ("default", "anchor"):
-        raise StepError(f"--onnx {path}: metadata mode {contract.get('mode')!r} is unknown")
     inputs = {i.name: i.shape for i in session.get_inputs()}
     outputs = {o.name: o.shape for o in session.get_outputs()}
     for name, table, want in ((INPUT_NAME, inputs, len(channels)),
@@ -124,31 +117,19 @@ class Prepared:
     volume: Any
 
 
-def _channels_last(volume, channels: list[str]) -> np.ndarray:
-    """(x, y, z, C) float32 voxel values; anything else than len(channels) channels is refused."""
-    data = volume.values()
-    if data.ndim == 5 and data.shape[3] == 1:
-        data = data[:, :, :, 0, :]
-    n = data.shape[3] if data.ndim == 4 else 1 if data.ndim == 3 else None
-    if n != len(channels):
-        got = f"{n} channels" if n is not None else f"shape {list(data.shape)}"
-        raise StepError(f"--image {volume.path}: has {got}, the model needs {len(channels)} "
-                        f"({', '.join(channels)}) as (x, y, z, {len(channels)})")
-    data = np.asarray(data, dtype=np.float32)
-    if not np.isfinite(data.min()) or not np.isfinite(data.max()):
-        raise StepError(f"--image {volume.path}: has NaN/Inf voxels")
-    return data
-
-
 def prepare(path: Path | str, contract: dict[str, Any]) -> Prepared:
     """Read ``path`` and apply the dataset's preprocessing (steps.preprocess functions)."""
     from steps import nifti
-    from steps.preprocess import channel_stats, foreground_box, reorient, zscore
+    from steps.preprocess import (channel_stats, foreground_box, image_channels_last,
+                                  reorient, zscore)
 
     volume = nifti.load(path)
     mode = contract.get("mode", "default")
-    image, _, _, _ = reorient(_channels_last(volume, list(contract["channels"])), None,
-                             volume, mode)
+    channels = contract["channels"]
+    data = image_channels_last(volume, len(channels), f"--image {volume.path}:",
+                               f"the model needs {len(channels)} ({', '.join(channels)}) as "
+                               f"(x, y, z, {len(channels)})")
+    image, _, _, _ = reorient(data, None, volume, mode)
     image = image.transpose(3, 2, 1, 0)  # (C, D, H, W) = (c, z, y, x)
     box = foreground_box(image, mode == "anchor", Path(path).name)
     (d0, d1), (h0, h1), (w0, w1) = box
@@ -237,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.batch_size < 1:
         raise StepError(f"--batch-size {args.batch_size}: must be at least 1")
+    check_disjoint({"--out": args.out}, {"--image": args.image, "--onnx": args.onnx})
     session = open_session(args.onnx)
     contract = read_contract(session, args.onnx)
     prepared = prepare(args.image, contract)

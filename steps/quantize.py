@@ -40,8 +40,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from steps import params, predict
-from steps.artifacts import publish, require, write_outputs
+from steps import limits, params, predict, schemas
+from steps.artifacts import check_disjoint, publish, require, write_outputs
 from steps.dataset import Case, fold_names, open_cases, read_metadata
 from steps.errors import StepError, run_main
 
@@ -288,32 +288,36 @@ def openvino_ir(fp32: Path, out: Path, calibration: Calibration, keep: list[str]
                          subset_size=len(calibration.batches), ignored_scope=ignored,
                          preset=nncf.QuantizationPreset.MIXED)
     ov.save_model(int8, str(out))
-    compiled = ov.Core().compile_model(str(out), "CPU")
+    # OpenVINO's CPU plugin also sizes its pool from the node's cores
+    compiled = ov.Core().compile_model(str(out), "CPU",
+                                       {"INFERENCE_NUM_THREADS": limits.threads()})
     return compiled, {"openvino": ov.__version__, "nncf": nncf.__version__}
 
 
 # ------------------------------------------------------------------------------- main
 
 def _card(exported: Path) -> dict[str, Any]:
-    try:
-        card = json.loads((exported / CARD_FILE).read_text())
-        int(card["size_multiple"])
-        return card
-    except (OSError, ValueError, KeyError, TypeError):
-        raise StepError(f"artifact 'exported' at {exported}: {CARD_FILE} is missing or not "
-                        "a model card of steps.convert") from None
+    """The FP32 model card, checked against ``schemas.ModelCard``."""
+    where = f"artifact 'exported' at {exported}: {CARD_FILE}"
+    if not (exported / CARD_FILE).is_file():
+        raise StepError(f"{where} is missing (not an artifact of steps.convert)")
+    card = schemas.read_json(exported / CARD_FILE, where)
+    schemas.validate(schemas.ModelCard, card, where)
+    return card
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    check_disjoint({"--quantized": args.quantized}, {"--exported": args.exported,
+                                                     "--dataset": args.dataset})
     require(args.exported, "exported")
     card = _card(args.exported)
     meta = read_metadata(args.dataset)
-    fold = int((card.get("training") or {}).get("config", {}).get("fold", 0))
+    fold = card.get("training", {}).get("config", {}).get("fold", 0)   # checked by _card
     train_names, val_names = fold_names(meta, fold)
     if not train_names or not val_names:
         raise StepError(f"artifact 'dataset' at {args.dataset}: fold {fold} of the model needs "
                         "training cases to calibrate on and validation cases to gate on")
-    multiple, n_classes = int(card["size_multiple"]), len(meta["labels"])
+    multiple, n_classes = card["size_multiple"], len(meta["labels"])
     patch = tuple(meta["patch_size"])
     if any(side % multiple for side in patch):
         raise StepError(f"artifact 'dataset' at {args.dataset}: patch_size {list(patch)} is not "
@@ -361,6 +365,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    limits.set_threads()
     start = time.perf_counter()
     figures = run(args)
     line = f"quantize: {args.quantized}: mean Dice FP32 {100 * figures['fp32']['mean_dice']:.2f}"

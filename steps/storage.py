@@ -35,7 +35,7 @@ from botocore.config import Config
 from botocore.utils import determine_content_length
 from tqdm import tqdm
 
-from steps import limits, uris
+from steps import limits, schemas, uris
 from steps.artifacts import MANIFEST, list_files, require
 from steps.errors import StepError
 
@@ -69,17 +69,9 @@ class StorageError(StepError):
 
 
 # ---- configuration ------------------------------------------------------------------------
-def _env_int(name: str, default: int, minimum: int = 1) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise StepError(f"{name}={raw!r} is not an integer") from None
-    if value < minimum:
-        raise StepError(f"{name}={value} must be at least {minimum}")
-    return value
+def _env_int(name: str, default: int) -> int:
+    value = limits.env_int(name, minimum=1)
+    return default if value is None else value
 
 
 def max_attempts() -> int:
@@ -100,6 +92,8 @@ def configured_endpoint() -> str | None:
     for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
         value = os.environ.get(name, "").strip()
         if value:
+            uris.refuse_credentials(value, name, "set AWS_ACCESS_KEY_ID and "
+                                                 "AWS_SECRET_ACCESS_KEY instead")
             return value
     return None
 
@@ -514,11 +508,10 @@ def download_dir(uri: str, local_dir: Path | str, client=None, *, artifact: str 
         jobs = [(str(root / _safe_relative(k[len(prefix):], uri)), k, size)
                 for k, (size, _) in listed.items()]
     else:
-        try:
-            manifest = json.loads(raw)
-            entries = [(e["path"], int(e["size"])) for e in manifest["files"]]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise StorageError(f"{uri}/{MANIFEST} is not a valid manifest ({exc})") from None
+        where = f"{uri}/{MANIFEST}"
+        manifest = schemas.parse_json(raw, where)
+        entries = [(e.path, e.size) for e in schemas.validate(schemas.Manifest, manifest,
+                                                                where).files]
         jobs = [(str(root / _safe_relative(rel, uri)), prefix + rel, size)
                 for rel, size in entries]
     for local, *_ in jobs:

@@ -27,6 +27,7 @@ import json
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -37,9 +38,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from steps import devices, limits, params, uris
-from steps.artifacts import manifest_digest, publish, write_outputs
-from steps.checkpoints import CheckpointStore, best_name, serialize
+from steps import devices, limits, params, schemas, uris
+from steps.artifacts import check_disjoint, manifest_digest, publish, write_outputs
+from steps.checkpoints import (CheckpointStore, best_name, check_finite, check_state,
+                               serialize)
 from steps.dataset import check_values, fold_names, open_cases, read_metadata
 from steps.errors import StepError, run_main
 
@@ -47,6 +49,18 @@ STEP = "train"
 MODEL_FORMAT_VERSION = 1
 N_OVERLAYS = 3
 _CHECKED_ENV = "STEPS_TRAIN_INPUTS_CHECKED"   # set by relaunch: the parent hashed the dataset
+RELAUNCH_STOP_S = 60  # how long the ranks get to stop (torchrun's own wait is 30 s, then SIGKILL)
+# torch.distributed.run's main, with its way of ending on a signal (a SignalException raised
+# through main, printed as a traceback) turned into the usual exit status 128 + signal; the
+# ranks print the step's own "stopped by" line.
+_LAUNCHER = """import sys
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.run import main
+try:
+    main()
+except SignalException as stop:
+    sys.exit(128 + int(stop.sigval))
+"""
 
 
 # ------------------------------------------------------------------------------- CLI
@@ -70,8 +84,10 @@ def check_args(args: argparse.Namespace) -> None:
     for name, problem in params.train_relations(args, args.nodes):
         raise StepError(f"--{name.replace('_', '-')} {problem}")
     params.check_uris(args, params.TRAIN)
-    if args.checkpoint_uri:
-        uris.parse(args.checkpoint_uri, "--checkpoint-uri", uris.CHECKPOINT_KINDS)
+    store = uris.parse(args.checkpoint_uri, "--checkpoint-uri", uris.CHECKPOINT_KINDS).path \
+        if args.checkpoint_uri else None
+    check_disjoint({"--model": args.model, "--checkpoint-uri": store},
+                   {"--dataset": args.dataset})
 
 
 def check_batch_memory(args: argparse.Namespace, meta: dict[str, Any]) -> None:
@@ -107,9 +123,20 @@ def model_config_for(args: argparse.Namespace, meta: dict[str, Any]):
                          base_filters=args.base_filters, levels=args.levels, norm=args.norm,
                          deep_supervision=args.deep_supervision)
     multiple = config.size_multiple()
-    if any(int(s) % multiple for s in meta["patch_size"]):
+    height, width = meta["patch_size"]
+    if height % multiple or width % multiple:
         raise StepError(f"patch_size {meta['patch_size']} of the dataset is not a multiple of "
                         f"{multiple} (2**(--levels - 1) with --levels {args.levels})")
+    # A norm layer needs two values per channel to normalise (torch refuses one): the
+    # deepest level sees (H/multiple) x (W/multiple), times the slices per device for batch.
+    values = (height // multiple) * (width // multiple)
+    if args.norm == "batch":
+        values *= args.batch_size // (args.devices * args.nodes)
+    if values < 2:
+        raise StepError(f"--levels {args.levels}: the deepest level of a {height}x{width} "
+                        f"patch is {height // multiple}x{width // multiple}, one value per "
+                        f"channel for --norm {args.norm}; use fewer levels or a larger "
+                        "patch_size")
     return config
 
 
@@ -125,6 +152,25 @@ def _resume_source(args: argparse.Namespace):
             raise StepError(f"--resume-from {args.resume_from}: no checkpoint found there")
         return args.resume_from, state
     return None, None
+
+
+def check_resumable(state: dict[str, Any], config, args: argparse.Namespace,
+                    uri: str) -> None:
+    """A checkpoint this run can continue: its schema, the same network with weights of
+    the right shapes, and the same fold (another fold's training cases are validation
+    cases here)."""
+    from steps.model import build_model
+
+    where = f"checkpoint at {uri}"
+    schemas.validate(schemas.HasNetwork, state, where)   # another network is named as such
+    check_compatible(state, config, uri)
+    schemas.validate(schemas.TrainCheckpoint, state, where)
+    fold = state["train_config"].get("fold", 0)
+    if fold != args.fold:
+        raise StepError(f"--fold {args.fold}: the checkpoint at {uri} trained on fold {fold}; "
+                        "resuming it would validate on its training cases")
+    check_state(build_model(config).state_dict(), state["model_state"],
+                f"checkpoint at {uri}: model_state")
 
 
 def check_compatible(state: dict[str, Any], config, uri: str) -> None:
@@ -166,7 +212,7 @@ def preflight(args: argparse.Namespace) -> Plan:
     config = model_config_for(args, meta)
     uri, state = _resume_source(args)
     if state is not None:
-        check_compatible(state, config, uri)
+        check_resumable(state, config, args, uri)
     return Plan(args, kind, meta, train_names, val_names, config, uri, state)
 
 
@@ -178,15 +224,39 @@ def dist_env() -> tuple[int, int, int]:
             int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def relaunch(argv: Sequence[str], nproc: int, kind: str) -> int:
-    """Run this step again under torch.distributed.run with ``nproc`` processes."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", "-m", "steps.train", *argv]
+def relaunch(argv: Sequence[str], nproc: int) -> int:
+    """Run this step again under torch.distributed.run with ``nproc`` processes, each
+    with an equal share of this step's threads (``OMP_NUM_THREADS``), so that together
+    they use the CPUs the pod has (``limits.threads``), not the node's cores.
+
+    Stopped (SIGTERM, Ctrl-C) or failing here, this process passes SIGTERM on to the launcher,
+    which passes it to every rank (torch.distributed.elastic's agent: ``SignalException`` ->
+    ``_shutdown``), and waits for them: the ranks clean up as a stopped step does, and no rank
+    outlives the step (a plain kill of the launcher would orphan them)."""
+    cmd = [sys.executable, "-c", _LAUNCHER, "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "steps.train", *argv]
     env = dict(os.environ)
     env[_CHECKED_ENV] = "1"
-    if kind == "cpu":
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return subprocess.call(cmd, env=env)
+    env["OMP_NUM_THREADS"] = str(max(1, limits.threads() // nproc))
+    launcher = subprocess.Popen(cmd, env=env)
+    try:
+        return launcher.wait()
+    except BaseException:
+        launcher.send_signal(signal.SIGTERM)
+        try:
+            launcher.wait(timeout=RELAUNCH_STOP_S)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.wait()
+        raise
+
+
+def loader_workers(requested: int) -> int:
+    """DataLoader workers of this rank: ``--num-workers``, at most the rank's share of the
+    step's CPUs less the one its training process uses (``limits.cpu_count`` over
+    ``LOCAL_WORLD_SIZE``): more workers than CPUs only take turns on them."""
+    share = limits.cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return max(0, min(requested, share - 1))
 
 
 # --------------------------------------------------------------------------- RNG state
@@ -435,15 +505,26 @@ class Trainer:
             self.store.save(self._checkpoint_state(), self.progress.step)
 
     def _restore(self, state: dict[str, Any], uri: str) -> None:
+        """Continue from a checkpoint that passed check_resumable; what its schema cannot
+        see (optimizer and RNG internals) fails here as one line."""
         self.net.load_state_dict(state["model_state"])
-        self.optimizer.load_state_dict(state["optimizer_state"])
-        self.scheduler.load_state_dict(state["scheduler_state"])
-        if state.get("scaler_state"):
-            self.scaler.load_state_dict(state["scaler_state"])
-        self.progress = Progress(**state["progress"])
-        set_rng_state(state["rng"], self.info)
+        try:
+            self.optimizer.load_state_dict(state["optimizer_state"])
+            self.scheduler.load_state_dict(state["scheduler_state"])
+            if state.get("scaler_state"):
+                self.scaler.load_state_dict(state["scaler_state"])
+            set_rng_state(state["rng"], self.info)
+        except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+            raise StepError(f"checkpoint at {uri} cannot be restored "
+                            f"({type(exc).__name__}: {exc})") from None
+        known = Progress().to_dict()
+        self.progress = Progress(**{k: v for k, v in state["progress"].items() if k in known})
         if state.get("best_file"):
-            self.best_state = CheckpointStore(uri).load(state["best_file"])["model_state"]
+            where = f"checkpoint {state['best_file']} at {uri}"
+            best = CheckpointStore(uri).load(state["best_file"])
+            schemas.validate(schemas.BestWeights, best, where)
+            check_state(self.net.state_dict(), best["model_state"], where)
+            self.best_state = best["model_state"]
         if self.rank == 0:
             print(f"resumed from {uri} at epoch {self.progress.epoch}, step "
                   f"{self.progress.step}", file=sys.stderr)
@@ -455,8 +536,13 @@ class Trainer:
         from steps.sampler import StepDataset
 
         dataset = StepDataset(self.sampler, first_step, n_steps, self.rank)
+        workers = loader_workers(self.args.num_workers)
+        if workers < self.args.num_workers and self.rank == 0:
+            print(f"train: {workers} DataLoader worker(s) instead of --num-workers "
+                  f"{self.args.num_workers}: the step has {limits.cpu_count()} CPU(s) for "
+                  f"{os.environ.get('LOCAL_WORLD_SIZE', 1)} rank(s)", file=sys.stderr)
         return torch.utils.data.DataLoader(dataset, batch_size=None, shuffle=False,
-                                           num_workers=self.args.num_workers,
+                                           num_workers=workers,
                                            pin_memory=self.info.kind == "cuda")
 
     def run_epoch(self) -> dict[str, Any]:
@@ -569,6 +655,9 @@ def write_model(plan: Plan, trainer: Trainer, samples: list[dict[str, Any]]) -> 
     best = next(r for r in history if r["epoch"] == p.best_epoch)
     last = history[-1]
     labels = {k: v for k, v in plan.meta["labels"].items() if k != "0"}
+    last_state = cpu_state(trainer.net)
+    for name, state in (("best.pt", trainer.best_state), ("last.pt", last_state)):
+        check_finite(state, f"--model {plan.args.model}: {name}")
     metrics = {"epochs": history, "best_epoch": p.best_epoch, "best_mean_dice": p.best_dice,
                "best_dice": best["dice"], "device": trainer.info.kind,
                "precision": trainer.info.precision, "world_size": trainer.world,
@@ -576,7 +665,7 @@ def write_model(plan: Plan, trainer: Trainer, samples: list[dict[str, Any]]) -> 
     with publish(plan.args.model, "model", STEP, train_config(plan.args)) as out:
         torch.save(model_payload(plan, trainer.best_state, {**metrics, "epoch": best}),
                    out / "best.pt")
-        torch.save(model_payload(plan, cpu_state(trainer.net), {**metrics, "epoch": last}),
+        torch.save(model_payload(plan, last_state, {**metrics, "epoch": last}),
                    out / "last.pt")
         (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
         write_report(out, metrics, labels, samples)
@@ -603,6 +692,7 @@ def train(plan: Plan) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    limits.set_threads()
     rank, world, _ = dist_env()
     if world > 1 and args.devices * args.nodes != world:
         raise StepError(f"--devices {args.devices} x --nodes {args.nodes} does not match "
@@ -613,7 +703,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan = preflight(args)
     if args.devices > 1 and world == 1:
         plan.resume_state = None   # the workers load it themselves
-        return relaunch(argv, args.devices, plan.kind)
+        return relaunch(argv, args.devices)
     return train(plan)
 
 

@@ -31,6 +31,9 @@ BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,61}[a-z0-9]$")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _SECRET_QUERY = re.compile(r"sig|token|key|credential|secret|password|auth", re.IGNORECASE)
+# scheme://userinfo@ : the authority up to its last '@'. The scheme's length is bounded so
+# that a long run of letters costs linear time, not quadratic backtracking.
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^/?#\s]*@")
 
 
 @dataclass(frozen=True)
@@ -53,14 +56,26 @@ class Uri:
 
 
 def redact(text: str) -> str:
-    """``text`` safe to print: no user:password, secret-looking query values hidden."""
-    parts = urlsplit(text)
-    if parts.scheme not in ("http", "https"):
-        return text
-    netloc = parts.netloc.rsplit("@", 1)[-1]
-    query = "&".join(f"{k}=***" if _SECRET_QUERY.search(k) else f"{k}={v}"
-                     for k, v in parse_qsl(parts.query, keep_blank_values=True))
-    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+    """``text`` safe to print, whatever it is: the userinfo of any ``scheme://user:pw@``
+    becomes ``***@``, and secret-looking query values ``***``. The one redaction: every URL
+    a step, the CLI or an error line prints goes through it."""
+    text = _USERINFO.sub(r"\1***@", str(text))
+    head, mark, rest = text.partition("?")
+    query, hash_, fragment = rest.partition("#")
+    pairs = parse_qsl(query, keep_blank_values=True)
+    if not any(_SECRET_QUERY.search(k) for k, _ in pairs):
+        return text               # unchanged, byte for byte
+    query = "&".join(f"{k}=***" if _SECRET_QUERY.search(k) else f"{k}={v}" for k, v in pairs)
+    return head + mark + query + hash_ + fragment
+
+
+def refuse_credentials(text: str, flag: str, instead: str) -> None:
+    """A URL with ``user:password@`` (or a bare ``token@``) is refused where a Secret or an
+    environment variable belongs (``instead`` says which): it would be echoed, logged and
+    written into the compiled workflow."""
+    if _USERINFO.search(str(text)):
+        raise StepError(f"{flag} '{redact(text)}': credentials in a URL are not accepted "
+                        f"({instead})")
 
 
 def stable(text: str) -> str:
@@ -76,6 +91,8 @@ def parse(text: str, flag: str, kinds: tuple[str, ...]) -> Uri:
     shown = redact(text)
     if _CONTROL.search(text):
         raise StepError(f"{flag} {shown!r}: control characters are not allowed in a URI")
+    refuse_credentials(text, flag, "S3 keys come from the AWS_* variables, on a cluster "
+                                   "from the credentials Secret")
     match = _SCHEME.match(text)
     scheme = match.group(1).lower() if match and "://" in text else ""
     kind = "http" if scheme == "https" else (scheme or "path")
@@ -88,7 +105,10 @@ def parse(text: str, flag: str, kinds: tuple[str, ...]) -> Uri:
         if not text:
             raise StepError(f"{flag}: empty path")
         return Uri("path", text, path=Path(text))
-    parts = urlsplit(text)
+    try:
+        parts = urlsplit(text)
+    except ValueError as exc:       # e.g. an unclosed IPv6 bracket
+        raise StepError(f"{flag} '{shown}': not a valid URI ({exc})") from None
     if kind == "s3":
         return _s3(text, flag, parts)
     if kind == "http":
@@ -98,18 +118,18 @@ def parse(text: str, flag: str, kinds: tuple[str, ...]) -> Uri:
     if kind == "file":
         raw = parts.path if parts.netloc in ("", "localhost") else parts.netloc + parts.path
         if not raw:
-            raise StepError(f"{flag} '{text}': a file URI needs a path (file:///data/x.tar)")
+            raise StepError(f"{flag} '{redact(text)}': a file URI needs a path (file:///data/x.tar)")
         return Uri("file", text, path=Path(unquote(raw)))
     if parts.netloc or parts.path.strip("/"):
-        raise StepError(f"{flag} '{text}': write synthetic://?cases=N&shape=HxWxD&seed=S")
+        raise StepError(f"{flag} '{redact(text)}': write synthetic://?cases=N&shape=HxWxD&seed=S")
     return Uri("synthetic", text, query=parts.query)
 
 
 def _s3(text: str, flag: str, parts) -> Uri:
     bucket, _, key = text[len("s3://"):].partition("/")
     if not BUCKET.match(bucket):
-        raise StepError(f"{flag} '{text}': bucket name '{bucket}' is not valid "
+        raise StepError(f"{flag} '{redact(text)}': bucket name '{bucket}' is not valid "
                         "(3-63 lower-case letters, digits, '.', '-')")
     if any(part in (".", "..") for part in key.split("/")):
-        raise StepError(f"{flag} '{text}': a key may not hold '.' or '..' segments")
+        raise StepError(f"{flag} '{redact(text)}': a key may not hold '.' or '..' segments")
     return Uri("s3", text, bucket=bucket, key=key)

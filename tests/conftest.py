@@ -1,9 +1,20 @@
-"""Shared fixtures: a real S3 server (SeaweedFS) on loopback for the whole session."""
+"""Shared fixtures: a real S3 server (SeaweedFS) on loopback for the whole session, and
+the NIfTI reader forced onto each gzip decoder."""
 from __future__ import annotations
+
+import contextlib
+import zlib
 
 import pytest
 
+from steps import nifti
 from workflows.s3server import SeaweedError, SeaweedServer, find_weed
+
+# The real cluster's session fixtures, registered here once for test_cluster and
+# test_multinode (imported into each test module, each would start its own).
+from real_cluster import argo, cluster, local_store, store  # noqa: E402,F401
+
+GZIP_BACKENDS = ("zlib", "isal")
 
 S3_BUCKET = "test-artifacts"
 # Variables that would take precedence over, or mix with, the fixture's configuration.
@@ -46,3 +57,23 @@ def s3_env(s3, monkeypatch):
     for name, value in s3.env().items():
         monkeypatch.setenv(name, value)
     return s3
+
+
+@contextlib.contextmanager
+def gzip_decoder(name: str):
+    """``steps.nifti`` reads gzip with ``name`` ("zlib" or "isal") inside the block. isal is
+    what the CPU image ships; where it is not installed the test is skipped."""
+    module = zlib if name == "zlib" else pytest.importorskip("isal.isal_zlib")
+    saved = nifti._zlib, nifti.GZIP_BACKEND
+    nifti._zlib, nifti.GZIP_BACKEND = module, name
+    try:
+        yield name
+    finally:
+        nifti._zlib, nifti.GZIP_BACKEND = saved
+
+
+@pytest.fixture(params=GZIP_BACKENDS)
+def gzip_backend(request):
+    """A test that takes this runs once with each gzip decoder of ``steps.nifti``."""
+    with gzip_decoder(request.param) as name:
+        yield name

@@ -66,6 +66,19 @@ def test_smoke_runs_orchestration(tmp_path):
                                                      "convert"}
 
 
+def test_smoke_runs_the_cpu_share_sweep(tmp_path):
+    """Train and preprocess confined to fewer CPUs than the machine has (--smoke: affinity),
+    each against every point of its UNET_CPUS sweep."""
+    report = _smoke(["quota"], tmp_path)
+    _check_rows(report, ["quota"])
+    details = report["benchmarks"]["quota"]["details"]
+    assert details["confinement"].startswith("affinity to ")
+    for rates in details["scenarios"].values():
+        for sides in rates.values():
+            if isinstance(sides, dict):
+                assert set(sides) == {"ours", *map(str, details["counts"])}
+
+
 def test_unknown_benchmark_is_refused():
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "nosuch"], cwd=ROOT,
                           capture_output=True, text=True)

@@ -289,8 +289,8 @@ def _broken(kind: str, ckpt: dict):
 
 _EXPECTED = {"missing checkpoint": "best.pt is missing",
              "corrupt checkpoint": "not a readable checkpoint",
-             "config mismatch": "does not match model_config (base_filters=16",
-             "parity failure": "parity failed before export"}
+             "config mismatch": "model_state does not match its model_config",
+             "parity failure": "hold NaN/Inf values"}
 
 
 def _assert_one_line_error(code: int, stderr: str, expected: str) -> None:

@@ -285,7 +285,7 @@ def test_http_transient_errors_are_retried(tmp_path, http_server, msd_tar):
 
 def test_http_gives_up_after_retries(tmp_path, http_server):
     http_server.fail_first = 10
-    with pytest.raises(StepError, match="failed after 2 retries: HTTP 503"):
+    with pytest.raises(StepError, match="failed after 3 attempts .*: HTTP 503"):
         download.http_download(f"{http_server.url}/data/msd.tar", tmp_path / "x.tar",
                                retries=2, backoff_s=0.01, progress=False)
     assert len(http_server.log) == 3
@@ -423,8 +423,8 @@ def test_bad_dataset_json_cli_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("edit,needle", [
-    (lambda m: m.pop("modality"), "'modality'"),
-    (lambda m: m.update(labels={}), "'labels'"),
+    (lambda m: m.pop("modality"), "modality: Field required"),
+    (lambda m: m.update(labels={}), "labels: needs 2 to 256 entries, has 0"),
     (lambda m: m.update(numTraining=5), "numTraining is 5"),
     (lambda m: m["training"][0].update(image="../../etc/passwd"), "not a path inside"),
 ])

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("steps", "workflows", "benchmarks")
@@ -120,10 +123,115 @@ def test_readme_layout_names_every_top_level_entry_and_module():
     table = _layout_table()
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
                              check=True).stdout.split()
-    top = {path.split("/")[0] for path in tracked} - {".gitignore", ".dockerignore", "README.md"}
+    top = {path.split("/")[0] for path in tracked} | {"docs"}   # docs/ even before it is committed
+    top -= {".gitignore", ".dockerignore", "README.md"}
     missing = [entry for entry in sorted(top) if f"`{entry}" not in table]
     assert not missing, f"README layout table lacks {missing}"
     for folder in ("steps", "workflows", "workflows/local"):
         for path in sorted((REPO / folder).glob("*.py")):
             if path.stem not in ("__init__", "__main__"):
                 assert f"`{path.stem}" in table, f"README layout table lacks {folder}/{path.name}"
+
+
+# The README is one screenful for a newcomer; the rest lives in docs/ and benchmarks/README.md,
+# and every relative link between them resolves (to a file, and to a heading for an #anchor).
+DOCS = ["README.md", "benchmarks/README.md",
+        *(f"docs/{path.name}" for path in sorted((REPO / "docs").glob("*.md")))]
+FENCE = re.compile(r"^\s*(```|~~~)")
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def _prose_lines(text: str) -> list[str]:
+    """The lines outside fenced code blocks."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            lines.append(line)
+    return lines
+
+
+def github_slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: its rendered text in lower case, every character
+    other than a letter, digit, space, hyphen or underscore dropped, each space a hyphen."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)   # a link renders as its text
+    text = text.replace("`", "").replace("*", "").strip().lower()
+    return "".join("-" if c == " " else c for c in text if c.isalnum() or c in " -_")
+
+
+def anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for line in _prose_lines(path.read_text()):
+        match = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if match:
+            slug = github_slug(match.group(1))
+            out.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return out
+
+
+def relative_links(path: Path) -> list[str]:
+    links = []
+    for line in _prose_lines(path.read_text()):
+        line = re.sub(r"(`+).*?\1", "", line)
+        links += [target for target in LINK.findall(line)
+                  if not re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*:", target)]
+    return links
+
+
+def test_github_slug():
+    assert github_slug("Quickstart (a fresh machine)") == "quickstart-a-fresh-machine"
+    assert github_slug("CPU: `python -m benchmarks all`") == "cpu-python--m-benchmarks-all"
+    assert github_slug("On Argo's own controller") == "on-argos-own-controller"
+    assert github_slug("First, on a new Gaudi or GPU node") == "first-on-a-new-gaudi-or-gpu-node"
+    assert github_slug("[What has run where](x.md) now") == "what-has-run-where-now"
+
+
+def test_readme_is_one_screenful():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) < 250, f"README.md has {len(lines)} lines; move detail to docs/"
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_relative_link_resolves(doc):
+    source = REPO / doc
+    broken = []
+    for link in relative_links(source):
+        target, _, anchor = link.partition("#")
+        path = (source.parent / target).resolve() if target else source
+        if not path.exists():
+            broken.append(f"{link} (no such file)")
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+            broken.append(f"{link} (no heading #{anchor} in {path.relative_to(REPO)})")
+    assert not broken, f"{doc}: {broken}"
+
+
+def test_the_readme_links_the_failure_modes_and_what_has_run_where():
+    """Other documents point at the README for these two tables, which live in docs/; every
+    page of docs/ and benchmarks/README.md is reached from the README."""
+    links = relative_links(REPO / "README.md")
+    assert "docs/operations.md#failure-modes" in links
+    assert any(link.startswith("docs/status.md") for link in links)
+    linked = {link.partition("#")[0] for link in links}
+    assert not [doc for doc in DOCS if doc != "README.md" and doc not in linked]
+    operations = (REPO / "docs/operations.md").read_text()
+    assert "| fault | what the pipeline does | what you do |" in operations
+    assert "| what | where it ran | how |" in (REPO / "docs/status.md").read_text()
+
+
+def test_ci_constraints_pin_every_declared_dependency():
+    """.ci/run installs from .ci/constraints.txt: a dependency added to pyproject.toml without
+    a refresh (.ci/refresh-constraints) would be resolved unpinned in CI."""
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads pyproject.toml")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        declared += extra
+    names = {canonicalize_name(Requirement(r).name) for r in declared} - {"unet-argo"}
+    pinned = {canonicalize_name(line.split("==")[0])
+              for line in (REPO / ".ci" / "constraints.txt").read_text().splitlines()
+              if line and not line.startswith("#")}
+    assert names and not names - pinned, sorted(names - pinned)

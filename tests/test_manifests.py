@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from workflows.local.spec import cpu_field
+
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
 OVERLAYS = sorted(p.parent.name for p in (MANIFESTS / "overlays").glob("*/kustomization.yaml"))
@@ -234,22 +236,32 @@ def test_workflow_role_covers_executor_and_training_operator():
         assert allowed(role, "argoproj.io", "workflowtaskresults", verb)
     for verb in ("create", "get", "watch"):
         assert allowed(role, "kubeflow.org", "pytorchjobs", verb), verb
-    assert allowed(role, "", "pods/log", "get")
-    assert not allowed(role, "", "secrets", "get"), "workflow pods must not read Secrets"
+    for resource in ("pods", "pods/log", "secrets"):   # Argo v4's executor needs none
+        assert not allowed(role, "", resource, "get"), resource
 
 
 @needs_kubectl
 def test_memoize_cache_is_labelled_and_writable_by_the_controller():
-    docs = built("local-minio")
+    """The cache is in the controller's namespace (Argo keeps it there), so it is in
+    manifests/controller, which names no namespace: its binding's subjects are the
+    controller's account in whatever namespace it is applied to (tests/test_cluster.py
+    checks that on a real API server)."""
+    docs = kustomize(MANIFESTS / "controller")
     name = config()["memoize"]["config_map"]
     cache = find(docs, "ConfigMap", name)
     assert cache["metadata"]["labels"]["workflows.argoproj.io/configmap-type"] == "Cache"
+    assert all("namespace" not in d["metadata"] for d in docs)
     writers = [d for d in docs if d["kind"] == "Role"
                and allowed(d, "", "configmaps", "update", name)]
     assert writers, "nobody may update the memoize cache"
+    assert not any(allowed(w, "", "configmaps", "update", "other") for w in writers)
     bound = [b for b in docs if b["kind"] == "RoleBinding"
              and b["roleRef"]["name"] in {w["metadata"]["name"] for w in writers}]
-    assert any(s["namespace"] == "argo" for b in bound for s in b["subjects"])
+    subjects = [s for b in bound for s in b["subjects"]]
+    assert {"argo", "argo-workflows-workflow-controller"} <= {s["name"] for s in subjects}
+    assert not any("namespace" in s for s in subjects)
+    for overlay in OVERLAYS:   # nothing of the cache is left in the pipeline's namespace
+        assert not [d for d in built(overlay) if d["metadata"]["name"] == name]
 
 
 @needs_kubectl
@@ -358,6 +370,9 @@ def _resolve_env(container: dict, docs: list[dict]) -> dict[str, str | None]:
             env[var["name"]] = var["value"]
             continue
         (key, ref), = source.items()
+        if key == "resourceFieldRef":       # the container's own request (UNET_CPUS)
+            env[var["name"]] = cpu_field(container.get("resources") or {}, ref, var["name"])
+            continue
         kind = {"secretKeyRef": "Secret", "configMapKeyRef": "ConfigMap"}[key]
         data = (objects.get((kind, ref["name"])) or {}).get("data") or {}
         if ref["key"] not in data and not ref.get("optional"):

@@ -149,7 +149,7 @@ def test_the_whole_dag_runs_in_the_real_image(image, s3_env, tmp_path):
         [sys.executable, str(REPO / "workflows" / "unet.py"), "run", "--local",
          "--executor", "podman", "--run-dir", str(tmp_path / "run"),
          "--output-dir", str(tmp_path / "outputs"),
-         "-p", "download.source=synthetic://?cases=10&shape=64x64x24&seed=13"],  # no cache hit
+         "-p", "download.source=synthetic://?cases=10&shape=64x64x24&seed=3"],  # no cache hit
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert s3.secret_key not in proc.stdout + proc.stderr

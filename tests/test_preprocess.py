@@ -21,6 +21,7 @@ import pytest
 from steps import nifti
 from steps.artifacts import MANIFEST, write_manifest
 from steps.dataset import open_cases, read_metadata
+from steps.errors import run_main
 from steps.preprocess import main
 from steps.synthetic import generate_case, write_msd_task
 
@@ -369,7 +370,7 @@ def test_gzip_truncation_is_caught_before_numpy(tmp_path):
     assert_one_line_error(result, "BRATS_002", "truncated voxel data")
 
 
-def test_gzip_is_read_as_zlib_reads_it_one_member_or_several(raw, tmp_path):
+def test_gzip_is_read_as_zlib_reads_it_one_member_or_several(raw, tmp_path, gzip_backend):
     path = raw / "Task01_BrainTumour/imagesTr/BRATS_001.nii.gz"
     plain = zlib.decompress(path.read_bytes(), 31)
     (tmp_path / "plain.nii").write_bytes(plain)
@@ -379,6 +380,24 @@ def test_gzip_is_read_as_zlib_reads_it_one_member_or_several(raw, tmp_path):
     for name in ("two.nii.gz", path):
         loaded = nifti.load(tmp_path / name).data
         assert loaded.dtype == expected.dtype and np.array_equal(loaded, expected)
+
+
+def test_a_bad_gzip_checksum_is_one_line_with_each_decoder(tmp_path, gzip_backend, capsys,
+                                                           monkeypatch):
+    """isal raises its own IsalError, not zlib.error: a wrong CRC32 in a trailer is still the
+    step's one ``error:`` line and exit 2 with either decoder. In process (one worker), so
+    that the decoder forced here is the one the step uses."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)   # the step sets it; restored after
+    task = make_raw(tmp_path / "raw", small_cases(2))
+    path = task / "imagesTr/BRATS_002.nii.gz"
+    data = bytearray(path.read_bytes())
+    data[-8] ^= 0xFF                    # the trailer is CRC32, then ISIZE
+    path.write_bytes(bytes(data))
+    write_manifest(tmp_path / "raw", "raw", "download", {})
+    code = run_main(main, ["--raw", str(tmp_path / "raw"), "--dataset", str(tmp_path / "ds")])
+    out, err = capsys.readouterr()
+    assert_one_line_error(subprocess.CompletedProcess([], code, out, err), "BRATS_002",
+                          "corrupt gzip")
 
 
 def test_missing_raw_manifest_is_refused(raw, tmp_path):
@@ -438,7 +457,7 @@ SCANNER_FILES = ["anatomical.nii", "functional.nii", "example4d.nii.gz", "exampl
 
 
 @pytest.mark.parametrize("name", SCANNER_FILES)
-def test_real_scanner_files_load_as_nibabel_reads_them(name):
+def test_real_scanner_files_load_as_nibabel_reads_them(name, gzip_backend):
     """Headers written by real scanners and tools (nibabel's own test data) pass every check
     of the strict reader, and give nibabel's values (within the float32 of scaled data)."""
     path = NIBABEL_DATA / name

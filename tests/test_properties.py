@@ -41,6 +41,7 @@ from hypothesis import strategies as st
 
 from steps import download, nifti
 from steps.errors import StepError
+from tests.conftest import GZIP_BACKENDS, gzip_decoder
 
 # hypothesis imports libcst to write its patch file after a failure; libcst warns on import
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:libcst.*")
@@ -302,11 +303,14 @@ def outcome(exc: StepError) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", GZIP_BACKENDS)
 @settings(max_examples=600, **SETTINGS)
 @given(nifti_files(), st.sampled_from([MiB, 4 * KiB, 1 * KiB]))
-def test_nifti_load_is_valid_or_one_line_steperror(spec, limit):
-    """Any NIfTI-1 header/body: load() returns a sane Volume or raises a one-line StepError."""
-    event(nifti_outcome(spec, build_nifti(spec), limit))
+def test_nifti_load_is_valid_or_one_line_steperror(backend, spec, limit):
+    """Any NIfTI-1 header/body, through each gzip decoder: load() returns a sane Volume or
+    raises a one-line StepError."""
+    with gzip_decoder(backend):
+        event(nifti_outcome(spec, build_nifti(spec), limit))
 
 
 def nifti_spec(**fields) -> dict:
@@ -340,7 +344,7 @@ NIFTI_CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(NIFTI_CASES))
-def test_nifti_known_cases(name):
+def test_nifti_known_cases(name, gzip_backend):
     """The property on fixed headers: earlier falsifying examples and valid files."""
     spec = NIFTI_CASES[name]
     result = nifti_outcome(spec, build_nifti(spec), MiB)
@@ -375,14 +379,15 @@ def _traced_load(raw: bytes, tmp: str, name: str) -> tuple[int, object]:
         tracemalloc.stop()
 
 
+@pytest.mark.parametrize("backend", GZIP_BACKENDS)
 @settings(max_examples=20, **SETTINGS)
 @given(st.tuples(st.integers(1, 8), st.integers(1, 8), st.integers(1, 8)),
        st.sampled_from(["isize-huge", "isize-random", "bomb"]),
        st.sampled_from([8, 32]), st.integers(0, 2 ** 32 - 1))
-def test_nifti_gzip_memory_is_bounded(shape, kind, bomb_mib, isize):
+def test_nifti_gzip_memory_is_bounded(backend, shape, kind, bomb_mib, isize):
     """A forged gzip trailer (ISIZE) or a small .nii.gz that inflates to many MiB past its
     declared voxels costs load() at most 2 x max_volume_bytes more peak memory (tracemalloc)
-    than the honest file with the same header."""
+    than the honest file with the same header, through each gzip decoder."""
     limit = MiB
     hdr = nib.Nifti1Header()
     hdr.set_data_shape(shape)
@@ -394,7 +399,8 @@ def test_nifti_gzip_memory_is_bounded(shape, kind, bomb_mib, isize):
         raw = _zero_bomb(content, bomb_mib * MiB)
     else:
         raw = honest[:-4] + struct.pack("<I", 0xFFFFFFFF if kind == "isize-huge" else isize)
-    with tempfile.TemporaryDirectory(dir=SCRATCH) as tmp, limits(max_volume_bytes=limit):
+    with tempfile.TemporaryDirectory(dir=SCRATCH) as tmp, limits(max_volume_bytes=limit), \
+            gzip_decoder(backend):
         base, volume = _traced_load(honest, tmp, "honest.nii.gz")
         assert not isinstance(volume, StepError), f"honest file refused: {volume}"
         peak, _ = _traced_load(raw, tmp, f"{kind}.nii.gz")

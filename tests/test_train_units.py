@@ -177,6 +177,17 @@ _FULL_DISK = textwrap.dedent("""
 
 
 @pytest.mark.slow
+def test_prune_never_deletes_the_checkpoint_latest_names(tmp_path):
+    """A run that starts again from step 1 in a store where a killed run left higher steps:
+    the newest by name are the old run's, but ``latest`` names the new one."""
+    store = CheckpointStore(str(tmp_path / "ck"))
+    for step in (15, 16):
+        store.save({"step": step, "w": torch.ones(1) * step}, step)
+    store.save({"step": 14, "w": torch.ones(1) * 14}, 14)
+    assert store.load_latest()["step"] == 14
+    assert store.names() == ["ckpt-0000000014.pt", "ckpt-0000000016.pt", LATEST]
+
+
 def test_a_failing_write_leaves_latest_on_the_previous_checkpoint(tmp_path):
     """A writer that runs out of space (RLIMIT_FSIZE 1 MB) halfway through a 16 MB file."""
     done = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path)], cwd=REPO,

@@ -30,6 +30,7 @@ from hera.workflows import Workflow, WorkflowTemplate
 from hera.workflows import models as m
 from hera.workflows.service import WorkflowsService
 
+from steps import uris
 from steps.errors import StepError
 
 DONE = ("Succeeded", "Failed", "Error")
@@ -79,6 +80,7 @@ class ArgoServer:
         if "://" not in server:
             secure = env.get("ARGO_SECURE", "true").strip().lower() not in ("false", "0", "no")
             server = f"{'https' if secure else 'http'}://{server}"
+        uris.refuse_credentials(server, "ARGO_SERVER", "give the token in ARGO_TOKEN")
         base_href = (env.get("ARGO_BASE_HREF") or "").strip().strip("/")
         base = server.rstrip("/") + (f"/{base_href}" if base_href else "")
         token = (env.get("ARGO_TOKEN") or "").strip()

@@ -76,17 +76,24 @@ def _config(args) -> Config:
                        local=args.command == "run")
 
 
+def _write(path: Path, text: str, flag: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise StepError(f"{flag} {path}: cannot write it ({exc.strerror or exc})") from None
+
+
 def cmd_render(args) -> int:
     if args.golden:
         GOLDEN.mkdir(exist_ok=True)
         for name, (kind, overrides) in GOLDEN_FILES.items():
             cfg = load_config(args.config, None, overrides)
-            (GOLDEN / name).write_text(render(cfg, kind))
+            _write(GOLDEN / name, render(cfg, kind), "--golden")
             print(f"wrote {GOLDEN / name}", file=sys.stderr)
         return 0
     text = render(_config(args), args.kind)
     if args.output:
-        Path(args.output).write_text(text)
+        _write(Path(args.output), text, "-o")
     else:
         sys.stdout.write(text)
     return 0

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Iterator, Literal, Sequence
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, create_model,
-                      field_validator)
+                      field_validator, model_validator)
 from pydantic import AfterValidator
 
 from steps import params, uris
@@ -123,12 +123,29 @@ class Memoize(_Strict):
 
 
 class Retry(_Strict):
+    """Argo waits ``backoff_duration * backoff_factor**n`` after failed attempt n, and only
+    then evaluates the retry expression (operator.go ``processNodeRetries``: the backoff
+    block comes before the retry policy and expression), so an input error (exit 2) also
+    fails after the first wait, ``backoff_duration``. A cap only matters when a wait could
+    pass it: one that never can is refused rather than compiled (issue 26)."""
     limit: int = Field(2, ge=0, le=10)
     backoff_duration: str = Field("30s", pattern=_DURATION)
     backoff_factor: int = Field(2, ge=1)
-    backoff_cap: str = Field("10m", pattern=_DURATION,
-                             description="longest wait between attempts; there is no overall "
-                                         "deadline, each attempt has its step's timeout")
+    backoff_cap: str | None = Field(None, pattern=_DURATION,
+                                    description="longest wait between attempts; there is no "
+                                                "overall deadline, each attempt has its step's "
+                                                "timeout")
+
+    @model_validator(mode="after")
+    def _cap_can_apply(self) -> "Retry":
+        if self.backoff_cap is None or self.limit == 0:
+            return self
+        longest = seconds(self.backoff_duration) * self.backoff_factor ** (self.limit - 1)
+        if seconds(self.backoff_cap) >= longest:
+            raise ValueError(f"retry.backoff_cap {self.backoff_cap} never applies: with limit "
+                             f"{self.limit} the longest wait is {longest} s; drop it or "
+                             "lower it")
+        return self
 
 
 def _place(key: str, kinds: tuple[str, ...]):
@@ -153,10 +170,21 @@ def _field(section: str, p: params.Param) -> tuple[Any, Any]:
     if p.uri_kinds:
         key = f"{section}.{p.name}"
         annotation = Annotated[annotation, _place(key, _CLUSTER_KINDS.get(key, p.uri_kinds))]
+    if p.pattern:      # the parameter's own check, so the line says what the step's does
+        annotation = Annotated[annotation, AfterValidator(_pattern_check(p))]
     default = ... if p.default is None else p.default
-    pattern = f"^(?:{p.pattern})$" if p.pattern else None
-    return annotation, Field(default, ge=p.ge, gt=p.gt, le=p.le, pattern=pattern,
-                             description=p.help)
+    finite = {"allow_inf_nan": False} if p.type is float else {}   # as Param.parse
+    return annotation, Field(default, ge=p.ge, gt=p.gt, le=p.le, description=p.help,
+                             **finite)
+
+
+def _pattern_check(p: params.Param):
+    def check(value: str) -> str:
+        problem = p.mismatch(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+    return check
 
 
 def _step_section(section: str) -> type[_Strict]:
@@ -253,10 +281,14 @@ SECTIONS = ("pipeline", "images", "storage", "memoize", "retry", "download", "pr
 
 
 def _merge(base: dict, update: dict) -> dict:
-    """Deep-merge ``update`` into a copy of ``base`` (mappings merge, everything else replaces)."""
+    """Deep-merge ``update`` into a copy of ``base`` (mappings merge, everything else replaces).
+
+    An empty mapping replaces too: a profile's ``node_selector: {}`` must clear the base's
+    Gaudi selector, or its pods wait unschedulable on a cluster without that label (seen
+    on the real single-node cluster, issue 23)."""
     out = copy.deepcopy(base)
     for key, value in update.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
+        if isinstance(value, dict) and value and isinstance(out.get(key), dict):
             out[key] = _merge(out[key], value)
         else:
             out[key] = copy.deepcopy(value)
@@ -292,10 +324,7 @@ def apply_override(raw: dict, item: str) -> dict:
     path = _resolve_key(raw, key.strip())
     value: Any = text.strip()
     if value.startswith(("{", "[")):  # a mapping or list; scalars stay text for the model
-        try:
-            value = yaml.safe_load(value)
-        except yaml.YAMLError:
-            raise ConfigError(f"override '{key}': value is not valid YAML") from None
+        value = _yaml(value, f"override '{key}': value")
     node = raw
     for part in path[:-1]:
         child = node.setdefault(part, {})
@@ -325,6 +354,19 @@ def _one_line(error: ValidationError, source: str) -> ConfigError:
                                                                          "must"))
 
 
+def _yaml(text: str, where: str) -> Any:
+    """``text`` parsed as YAML; a syntax error or nesting that exhausts the parser's
+    recursion is one ConfigError line."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{where}:{line} is not valid YAML") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: is nested too deeply to be a config") from None
+
+
 def load_config(path: str | Path | None = None, profile: str | None = None,
                 overrides: Sequence[str] = (), *, local: bool = False) -> Config:
     """Load, merge and validate the pipeline config; raise ConfigError (one line) if bad.
@@ -334,13 +376,12 @@ def load_config(path: str | Path | None = None, profile: str | None = None,
     path = Path(path or DEFAULT_CONFIG)
     source = f"config {path.name}"
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = _yaml(path.read_bytes().decode("utf-8"), f"config {path}") or {}
     except OSError as exc:
         raise ConfigError(f"config {path}: cannot read ({exc.strerror})")
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"config {path}:{where} is not valid YAML")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config {path}: is not UTF-8 text (byte {exc.start}); save it "
+                          "as UTF-8") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config {path}: top level must be a mapping")
     profiles = raw.get("profiles") or {}
@@ -416,6 +457,5 @@ def _check_consistency(config: Config, source: str) -> None:
     if config.train.device not in ("auto", wanted):
         raise ConfigError(f"{source}: train.device: '{config.train.device}' does not match "
                           f"resources.train.accelerator '{accelerator}' (use {wanted} or auto)")
-    if config.resources.train.nodes > 1 and accelerator == "cpu":
-        raise ConfigError(f"{source}: resources.train.nodes: multi-node training needs "
-                          "accelerator gaudi or cuda")
+    # Multi-node on the CPU accelerator is allowed: gloo across the job's pods is how the
+    # PyTorchJob runs on the real operator in tests/test_multinode.py (issue 26).

@@ -31,9 +31,49 @@ v1.9.0, argo-workflows v4.1.2):
   only appends a ``Failed`` condition, so the failure condition looks for that condition at
   each index it can take (Argo's conditions are label-selector requirements over JSON paths,
   ORed for failure; no list filters).
-- **Deadlines.** The job's ``runPolicy.activeDeadlineSeconds`` is the train timeout; the
-  resource node's own deadline is a little longer (the job is created and scheduled after
-  the node starts) and stops the wait if the operator never reports at all.
+- **Deadlines.** The job's ``runPolicy.activeDeadlineSeconds`` is the train timeout, but
+  v1.9.3 checks it only when something else makes it reconcile the job: the re-check it
+  schedules goes to a ``FakeWorkQueue`` that drops it (``pytorchjob_controller.go``
+  ``UpdateJobStatus``; kubeflow/trainer#3358), so a hung job with no pod changes ran on. Every
+  replica's pod therefore has the same ``activeDeadlineSeconds``, which the kubelet enforces:
+  the pod fails at the deadline, the operator reconciles, fails the job and deletes its pods
+  (a worker that never started included). The resource node's own deadline is a little longer
+  (the job is created and scheduled after the node starts) and stops the wait if the operator
+  never reports at all.
+
+What a failure does (issue 26; training-operator v1.9.3 and Argo v4.0.5, the versions that ran
+it in ``tests/test_multinode.py``):
+
+- **Every replica ``restartPolicy: Never``.** Under ``ExitCode`` the operator deletes and
+  recreates a pod that exits with 128 or more (``common/pod.go`` ``ReconcilePods``,
+  ``train_util.IsRetryableExitCode``), and ``runPolicy.backoffLimit`` never stops that: it
+  sums container ``restartCount`` of Running pods only (``core/job.go``
+  ``PastBackoffLimit``), which stays 0 for recreated pods. A recreated rank cannot rejoin a
+  running static rendezvous anyway. Under ``Never`` one failed replica fails the job
+  (``pytorch/pytorchjob_controller.go`` ``UpdateJobStatus``), and Argo's ``retryStrategy.limit``
+  is the one bound on attempts; each attempt resumes from the checkpoint.
+- **``cleanPodPolicy: All``.** When the job is finished (Failed, Succeeded, past its deadline)
+  the operator deletes every pod (``common/job.go`` ``ReconcileJobs`` ->
+  ``DeletePodsAndServices``); with ``None`` the surviving replicas keep their cards.
+- **One job per workflow, by name.** The job is ``{{workflow.name}}-train`` and the resource
+  action is ``apply``: the operator names pods ``<job>-master-0``, ``<job>-worker-N``, and the
+  API server keeps a name until the kubelet has stopped that pod, so a retry's rank 0 cannot
+  start while the previous one still runs: two attempts never write the checkpoint at once.
+  ``ttlSecondsAfterFinished`` deletes a finished job (``common/job.go`` ``CleanupJob``) before
+  Argo's first retry wait ends (``JOB_TTL_S`` < ``retry.backoff_duration``, a lint rule), so
+  the retry creates a fresh job; a retry after the resource pod itself died re-attaches to the
+  job that still runs (``apply`` of an unchanged manifest changes nothing).
+- **``argo stop``.** Stopping kills the resource pod but not the job; the workflow's exit
+  handler ``release-train`` deletes this workflow's jobs by label and waits until their pods
+  are gone (``kubectl delete --cascade=foreground --wait``; Argo runs exit handlers on
+  ``stop``, not on ``terminate``). The job is also owned by the Workflow
+  (``setOwnerReference``), so deleting the Workflow deletes it.
+- **Bad input fails once.** A resource node's ``lastRetry.exitCode`` is argoexec's, never the
+  step's 2, and the job object carries no exit code, so Argo cannot tell bad input from a
+  crash. Instead the step writes its one ``error:`` line to ``UNET_INPUT_ERROR_FILE``
+  (``steps.errors.run_main``); every rank then exits 0, rank 0 stores that line where the model
+  would go (``steps.handoff refuse``), the job ends Succeeded with no pod left, and
+  ``collect-model`` fails with exit 2 and that line, which is not retried.
 """
 from __future__ import annotations
 
@@ -51,6 +91,9 @@ POD_DATA = t.DATA  # inside the job's pods (not an Argo artifact path): the work
 MASTER_PORT = 23456  # the operator's default; its Master must name the port pytorchjob-port
 RESOURCE_GRACE_S = 900  # the resource node waits this much longer than the job may run
 CONDITION_INDEXES = range(6)  # Created, Running/Restarting, Suspended, Succeeded|Failed, ...
+JOB_TTL_S = 20  # a finished job is deleted after this; > the 5 s argoexec poll, < the retry wait
+INPUT_ERROR_FILE = f"{POD_DATA}/input-error"  # the step's one error line on bad input
+JOB_LABEL = "workflows.argoproj.io/workflow"
 
 
 def shared_key(what: str) -> str:
@@ -62,15 +105,26 @@ def shared_uri(cfg: Config, what: str) -> str:
 
 
 def _worker_script(cfg: Config) -> str:
+    """Fetch the dataset, train under torchrun, then: bad input -> rank 0 stores the error
+    line as the model's verdict and every rank exits 0; any other failure -> torchrun's exit
+    status (the job fails, Argo retries); success -> rank 0 pushes the model."""
     train = t.train_args(cfg, f"{POD_DATA}/dataset", f"{POD_DATA}/model")
-    return " && ".join([
+    rank0 = 'if [ "${PET_NODE_RANK:-0}" = "0" ]; then %s; fi'
+    handoff = lambda *a: shlex.join(["python", "-m", "steps.handoff", *a])  # noqa: E731
+    return "\n".join([
         "set -e",
-        shlex.join(["python", "-m", "steps.handoff", "fetch", "--artifact", "dataset",
-                    shared_uri(cfg, "dataset"), f"{POD_DATA}/dataset"]),
-        shlex.join(["python", "-m", "torch.distributed.run", "-m", "steps.train"] + train),
-        'if [ "${PET_NODE_RANK:-0}" = "0" ]; then '
-        + shlex.join(["python", "-m", "steps.handoff", "push", "--artifact", "model",
-                      f"{POD_DATA}/model", shared_uri(cfg, "model")]) + "; fi",
+        handoff("fetch", "--artifact", "dataset", shared_uri(cfg, "dataset"),
+                f"{POD_DATA}/dataset"),
+        "rc=0",
+        f"UNET_INPUT_ERROR_FILE={INPUT_ERROR_FILE} "
+        + shlex.join(["python", "-m", "torch.distributed.run", "-m", "steps.train"] + train)
+        + " || rc=$?",
+        f"if [ -s {INPUT_ERROR_FILE} ]; then "
+        + rank0 % handoff("refuse", "--artifact", "model", INPUT_ERROR_FILE,
+                          shared_uri(cfg, "model")) + "; exit 0; fi",
+        '[ "$rc" = 0 ] || exit "$rc"',
+        rank0 % handoff("push", "--artifact", "model", f"{POD_DATA}/model",
+                        shared_uri(cfg, "model")),
     ])
 
 
@@ -81,6 +135,7 @@ def _pod(cfg: Config, replicas: int, master: bool) -> dict:
            for e in t.s3_env(cfg) + t.extra_env(cfg)]
     pod = {
         "serviceAccountName": cfg.pipeline.service_account,
+        "activeDeadlineSeconds": seconds(r.timeout),   # the kubelet's, see "Deadlines" above
         "securityContext": {"runAsNonRoot": True, "runAsUser": cfg.pipeline.run_as_user,
                             "runAsGroup": cfg.pipeline.run_as_user,
                             "fsGroup": cfg.pipeline.run_as_user},
@@ -108,7 +163,11 @@ def _pod(cfg: Config, replicas: int, master: bool) -> dict:
     if master:
         pod["containers"][0]["ports"] = [{"name": "pytorchjob-port",
                                           "containerPort": MASTER_PORT}]
-    return {"replicas": replicas, "restartPolicy": "ExitCode", "template": {"spec": pod}}
+    return {"replicas": replicas, "restartPolicy": "Never", "template": {"spec": pod}}
+
+
+def job_name() -> str:
+    return "{{workflow.name}}-train"
 
 
 def job_manifest(cfg: Config) -> str:
@@ -116,12 +175,12 @@ def job_manifest(cfg: Config) -> str:
     job = {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
-        "metadata": {"generateName": "{{workflow.name}}-train-",
+        "metadata": {"name": job_name(),
                      "labels": {"app.kubernetes.io/name": "unet-argo",
-                                "workflows.argoproj.io/workflow": "{{workflow.name}}"}},
+                                JOB_LABEL: "{{workflow.name}}"}},
         "spec": {
             "nprocPerNode": t.arg("devices"),
-            "runPolicy": {"cleanPodPolicy": "None", "backoffLimit": cfg.retry.limit,
+            "runPolicy": {"cleanPodPolicy": "All", "ttlSecondsAfterFinished": JOB_TTL_S,
                           "activeDeadlineSeconds": seconds(cfg.resources.train.timeout)},
             "pytorchReplicaSpecs": {"Master": _pod(cfg, 1, master=True),
                                     "Worker": _pod(cfg, nodes - 1, master=False)},
@@ -135,8 +194,17 @@ def failure_condition() -> str:
     return ", ".join(f"status.conditions.{i}.type == Failed" for i in CONDITION_INDEXES)
 
 
+def release_template() -> Resource:
+    """The exit handler: delete this workflow's PyTorchJobs and wait until their pods are gone
+    (a delete action may have flags and no manifest: workflow/validate/validate.go; argoexec
+    runs ``kubectl delete --ignore-not-found FLAGS``: workflow/executor/resource.go)."""
+    return Resource(name="release-train", action="delete", active_deadline_seconds=900, flags=[
+        "pytorchjobs.kubeflow.org", "--selector", JOB_LABEL + "={{workflow.name}}",
+        "--cascade=foreground", "--wait=true", "--timeout=10m"])
+
+
 def templates(cfg: Config) -> dict:
-    """The three templates that replace the single train container."""
+    """The templates that replace the single train container, and the exit handler."""
     verify = lambda artifact: ["python", "-m", "steps.handoff", "verify",  # noqa: E731
                                "--artifact", artifact,
                                "{{inputs.artifacts.%s.path}}" % artifact]
@@ -146,7 +214,7 @@ def templates(cfg: Config) -> dict:
         outputs=[S3Artifact(name="dataset", path=f"{t.DATA}/dataset",
                             key=shared_key("dataset"), archive=NoneArchiveStrategy())])
     train = Resource(
-        name="train", action="create", set_owner_reference=True,
+        name="train", action="apply", set_owner_reference=True,
         manifest=job_manifest(cfg),
         success_condition="status.replicaStatuses.Master.succeeded > 0",
         failure_condition=failure_condition(),
@@ -158,9 +226,8 @@ def templates(cfg: Config) -> dict:
         cfg, "collect-model", "cpu", verify("model"), resources="handoff",
         inputs=[Parameter(name="image-tag"), Parameter(name="precision"),
                 S3Artifact(name="model", path=f"{t.DATA}/model", key=shared_key("model"))],
-        outputs=t.model_outputs(),
-        metrics=m.Metrics(prometheus=t.result_metrics(cfg)))
-    return {"share": share, "train": train, "collect": collect}
+        outputs=t.model_outputs())
+    return {"share": share, "train": train, "collect": collect, "release": release_template()}
 
 
 def tasks(wf, tmpl: dict, train_args: list[Parameter], dataset) -> tuple[Task, Task]:
@@ -171,4 +238,5 @@ def tasks(wf, tmpl: dict, train_args: list[Parameter], dataset) -> tuple[Task, T
     collect = Task(name="collect-model", template=tmpl["collect"],
                    arguments=[data_tag, wf.get_parameter("precision")])
     share >> train >> collect
+    wf.on_exit = tmpl["release"]
     return share, collect

@@ -15,6 +15,8 @@ systems (argo-workflows v4.1.2, kubeflow/training-operator v1.9.0):
   condition reads ``status.conditions`` (a job failed by ``backoffLimit`` or its deadline only
   gains a Failed condition); the job has a deadline; every path the step writes is on a
   volume.
+- **memoized retries**: no template both memoizes and retries; a cache hit of such a template
+  leaves the DAG Running forever on Argo v4 (``memoized_retries``, seen on a real controller).
 - **references**: a Secret or ConfigMap that a pod needs must exist on every overlay of
   ``manifests/overlays``, or the pod never starts (``CreateContainerConfigError``); an
   optional ConfigMap reference must still name one that the overlays make, or a setting
@@ -288,9 +290,22 @@ def references(doc: dict, overlays: Path = OVERLAYS) -> list[str] | None:
     return list(dict.fromkeys(problems))
 
 
+def memoized_retries(doc: dict) -> list[str]:
+    """No template both memoizes and retries. On a cache hit Argo's controller (v4.0.5, and
+    v4.1.2 unchanged) makes a Retry node with no attempt; ``getOutboundNodes`` gives a Retry
+    node's last attempt as its outbound node (none here), so the tasks that depend on it are
+    never linked as its children, and ``assessDAGPhase`` (dag.go), which walks children, never
+    reaches them: the DAG stays Running after every task has succeeded. Seen on the real
+    controller (issue 23)."""
+    return [f"pods: template {t['name']} has memoize and a retryStrategy; a cache hit leaves "
+            "the DAG Running forever on Argo v4 (drop one of them)"
+            for t in _templates(doc) if t.get("memoize") and t.get("retryStrategy")]
+
+
 def pod_rules(doc: dict) -> tuple[list[str], list[str]]:
     """All pod contracts; returns (problems, notes)."""
-    problems = writable_outputs(doc) + deadlines(doc) + multinode_job(doc)
+    problems = (writable_outputs(doc) + deadlines(doc) + multinode_job(doc)
+                + memoized_retries(doc))
     notes = []
     refs = references(doc)
     if refs is None:

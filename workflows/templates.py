@@ -17,6 +17,7 @@ from hera.workflows.archive import NoneArchiveStrategy
 
 from steps import params
 from steps.errors import EXIT_INPUT_ERROR
+from steps.limits import CPUS_ENV
 from workflows.config import Config, seconds
 
 DATA = "/data"  # artifact paths inside a pod; the local runner remaps them
@@ -172,7 +173,17 @@ def s3_env(cfg: Config) -> list[m.EnvVar]:
 
 
 def extra_env(cfg: Config) -> list[m.EnvVar]:
-    return [m.EnvVar(name=k, value=v) for k, v in sorted(cfg.resources.extra_env.items())]
+    """What every step's container gets: the config's literal ``extra_env``, and
+    ``UNET_CPUS`` from the pod's own CPU request (downward API, rounded up to whole CPUs).
+    The step templates set a CPU request but no CPU limit, so no cgroup quota tells a step
+    its share; with this its threads and workers (``steps.limits.cpu_count``) match the
+    request instead of the node's cores. Train's request equals its limit. A literal
+    ``UNET_CPUS`` in ``extra_env`` overrides it."""
+    literal = [m.EnvVar(name=k, value=v) for k, v in sorted(cfg.resources.extra_env.items())]
+    if CPUS_ENV in cfg.resources.extra_env:
+        return literal
+    return literal + [m.EnvVar(name=CPUS_ENV, value_from=m.EnvVarSource(
+        resource_field_ref=m.ResourceFieldSelector(resource="requests.cpu", divisor="1")))]
 
 
 def work_volume(cfg: Config) -> tuple[m.Volume, m.VolumeMount]:
@@ -206,12 +217,18 @@ def step(cfg: Config, name: str, kind: str, command: list[str] | None = None,
     resources section when it is not ``name``."""
     res = getattr(cfg.resources, resources or name)
     volume, mount = work_volume(cfg)
+    # A memoized step gets no retryStrategy: on a cache hit Argo (v4.0.5 to v4.1.2) makes a
+    # Retry node without attempts, whose dependents are never linked to it
+    # (workflow/controller/operator.go getOutboundNodes: a Retry node's outbound node is its
+    # last attempt), so the DAG stays Running forever (dag.go assessDAGPhase walks children
+    # only). Seen on the real controller (issue 23); pod_rules.memoized_retries keeps it so.
+    retries = None if kw.get("memoize") else retry(cfg)
     return Container(
         name=name, image=image(cfg, kind), image_pull_policy=cfg.images.pull_policy,
         command=command or ["python", "-m", f"steps.{name}"],
         resources=step_resources(res.cpu, res.memory, cfg.resources.work_volume_size),
         volumes=[volume], volume_mounts=[mount],
-        active_deadline_seconds=seconds(res.timeout), retry_strategy=retry(cfg), **kw)
+        active_deadline_seconds=seconds(res.timeout), retry_strategy=retries, **kw)
 
 
 def download_template(cfg: Config) -> Container:
@@ -287,16 +304,21 @@ def accelerator_resources(cfg: Config) -> tuple[m.ResourceRequirements, list, li
     return m.ResourceRequirements(requests=dict(limits), limits=limits), volumes, mounts
 
 
-# Intel Gaudi docs, "Running Workloads on Kubernetes" (Kubernetes_Quick_Start, Gaudi_Kubernetes):
-# the training pod runs with hostIPC and the SYS_NICE capability; the Docker page says
-# --ipc=host is required for HCCL's shared memory.
-GAUDI_CAPABILITIES = ("SYS_NICE",)
+# Intel Gaudi docs, "Pull Prebuilt Containers": --ipc=host "is required for distributed
+# training using HCCL" (hostIPC here). Their examples also add SYS_NICE, but they run as root;
+# our pods run as uid 1000, and Kubernetes puts an added capability only in a non-root
+# process's bounding and inheritable sets, never its effective set (kubernetes/kubernetes
+# #56374; no ambient capabilities), so SYS_NICE would do nothing: it is not asked for
+# (issue 26). The cards come from the device plugin (habana.ai/gaudi), memory from hugepages.
+GAUDI_CAPABILITIES: tuple[str, ...] = ()
 
 
 def gaudi_pod(cfg: Config) -> tuple[m.SecurityContext | None, bool]:
     """(the train container's securityContext, hostIPC) for the configured accelerator."""
     if cfg.resources.train.accelerator != "gaudi":
         return None, False
+    if not GAUDI_CAPABILITIES:
+        return None, True
     return m.SecurityContext(capabilities=m.Capabilities(add=list(GAUDI_CAPABILITIES))), True
 
 
@@ -315,21 +337,37 @@ def duration_metric(cfg: Config) -> m.Prometheus:
     (in that attempt's scope) and once more for the retry node when it ends
     (operator.go ``executeTemplate``), so without ``when`` each failed attempt's time would
     be one more observation. The one observation left spans every attempt and backoff of
-    the run; ``retries`` says how many attempts it took.
+    the run.
+
+    Every placeholder here exists on every node the metric is computed for. Argo fills a
+    metric's placeholders strictly before it reads ``when`` (operator.go ``computeMetrics``:
+    ``template.Replace(..., false)``, then ``shouldExecute``), and an attempt node has no
+    ``{{retries}}`` (steps.go ``prepareMetricScope`` sets it only for a node with children), so
+    a ``retries`` label made every failed attempt add a ``MetricsError`` to the Workflow
+    (issue 26; pod_rules.metric_fields keeps it so).
     """
     return m.Prometheus(
         name="unet_train_duration_seconds",
         help="Wall time of the train step until it succeeded, retries included",
-        labels=metric_labels(cfg) + [m.MetricLabel(key="retries", value="{{retries}}")],
+        labels=metric_labels(cfg),
         when=DONE, histogram=m.Histogram(value="{{duration}}", buckets=[
             60, 300, 900, 1800, 3600, 7200, 14400, 28800, 86400]))
 
 
+RESULTS = ("mean-dice", "img-per-s")   # train outputs that convert takes in for the gauges
+
+
 def result_metrics(cfg: Config) -> list[m.Prometheus]:
-    """Gauges of the train outputs, on the template that has them as output parameters."""
+    """Gauges of the train results, on ``convert``, which takes them in as input parameters.
+
+    Not on train (or collect-model) from its output parameters: Argo fills every placeholder
+    of a metric before it reads ``when`` (operator.go ``computeMetrics``), and a failed attempt
+    has no output parameters, so each one added a ``MetricsError`` to the Workflow (issue 26).
+    A convert node only exists once training succeeded, so its inputs are always there; the
+    gauges are set when convert succeeds."""
     gauge = lambda name, help_, out: m.Prometheus(  # noqa: E731
         name=name, help=help_, labels=metric_labels(cfg), when=DONE,
-        gauge=m.Gauge(value="{{outputs.parameters.%s}}" % out, realtime=False))
+        gauge=m.Gauge(value="{{inputs.parameters.%s}}" % out, realtime=False))
     return [gauge("unet_train_mean_dice", "Best validation mean Dice (x100) of the run",
                   "mean-dice"),
             gauge("unet_train_images_per_second",
@@ -361,7 +399,7 @@ def train_template(cfg: Config) -> Container:
         security_context=security,
         pod_spec_patch='{"hostIPC": true}' if host_ipc else None,  # no Template field for it
         retry_strategy=retry(cfg),
-        metrics=m.Metrics(prometheus=[duration_metric(cfg)] + result_metrics(cfg)))
+        metrics=m.Metrics(prometheus=[duration_metric(cfg)]))
 
 
 def release_step(cfg: Config, name: str, reads: tuple[str, ...], writes: str,
@@ -382,7 +420,11 @@ def release_step(cfg: Config, name: str, reads: tuple[str, ...], writes: str,
 
 
 def convert_template(cfg: Config) -> Container:
-    return release_step(cfg, "convert", ("model", "dataset"), "exported")
+    tmpl = release_step(cfg, "convert", ("model", "dataset"), "exported")
+    tmpl.inputs = list(tmpl.inputs) + [Parameter(name="precision")] + [
+        Parameter(name=n) for n in RESULTS]
+    tmpl.metrics = m.Metrics(prometheus=result_metrics(cfg))
+    return tmpl
 
 
 def quantize_template(cfg: Config) -> Container:

@@ -79,7 +79,8 @@ def build(cfg: Config, kind: str = "workflow") -> Workflow:
                 first = last = Task(name="train", template=train,
                                     arguments=train_params + [dataset])
             t_convert = Task(name="convert", template=convert, arguments=[
-                data_tag, last.get_artifact("model"), dataset])
+                data_tag, last.get_artifact("model"), dataset, wf.get_parameter("precision")]
+                + [last.get_parameter(n) for n in t.RESULTS])
             t_download >> t_pre >> first
             last >> t_convert
             if quantize is not None:

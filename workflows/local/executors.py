@@ -101,7 +101,15 @@ def run(launch: Launch, echo: TextIO | None = None) -> Outcome:
             raise
         finally:
             pump.join(10)
-    return Outcome(process.returncode, time.monotonic() - start, timed_out)
+    return Outcome(container_exit_code(process.returncode), time.monotonic() - start,
+                   timed_out)
+
+
+def container_exit_code(returncode: int) -> int:
+    """A process killed by signal N as a container reports it: 128 + N (Popen says -N). Argo
+    v4.0.5 reported 143 for a pod stopped at its deadline (SIGTERM), and its retry
+    expressions see that number (tests/test_cluster.py)."""
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def _stop(process: subprocess.Popen, stop: list[str] | None = None) -> None:

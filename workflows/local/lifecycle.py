@@ -38,7 +38,7 @@ from workflows.local.errors import LocalRunError
 from workflows.local.expr import substitute
 from workflows.local.results import ArtifactRef, NodeResult
 from workflows.local.s3target import S3Target
-from workflows.local.spec import duration_seconds
+from workflows.local.spec import cpu_field, duration_seconds
 
 CREDENTIAL_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 _OUTPUT_PATH_REF = re.compile(r"\{\{\s*outputs\.artifacts\.([\w\-]+)\.path\s*\}\}")
@@ -238,7 +238,10 @@ class Lifecycle:
         for item in template["container"].get("env") or []:
             name = item["name"]
             ewhere = f"{where}.container.env[{name}]"
-            if "valueFrom" in item:
+            if "resourceFieldRef" in (item.get("valueFrom") or {}):
+                env[name] = cpu_field(template["container"].get("resources") or {},
+                                      item["valueFrom"]["resourceFieldRef"], ewhere)
+            elif "valueFrom" in item:
                 value = self._reference(name, item["valueFrom"], ewhere)
                 if value is not None:
                     env[name] = value

@@ -30,7 +30,8 @@ class ArtifactRef:
 @dataclass
 class NodeResult:
     """One DAG task. ``step_seconds`` is the step process's own wall time (all attempts);
-    ``seconds`` adds artifact transfers and retry waits."""
+    ``seconds`` adds artifact transfers and retry waits. ``exit_codes`` has one entry per
+    attempt, as Argo's attempt nodes report ``outputs.exitCode`` (None: the step never ran)."""
     task: str
     template: str
     phase: str = "Pending"         # Argo NodePhase: Succeeded, Failed, Error, Skipped, Omitted
@@ -39,6 +40,7 @@ class NodeResult:
     seconds: float = 0.0
     step_seconds: float = 0.0
     memoized: bool = False
+    exit_codes: list[int | None] = field(default_factory=list)
     message: str = ""
     parameters: dict[str, str] = field(default_factory=dict)
     artifacts: dict[str, ArtifactRef] = field(default_factory=dict)

@@ -213,7 +213,9 @@ class LocalRun:
             self._run_dag()
             result.nodes = [self.nodes[t.name] for t in self.order]
             failed = [n for n in result.nodes if n.failed]
-            result.phase = "Failed" if failed else "Succeeded"
+            # As Argo's assessDAGPhase (dag.go): the phase of the first failed branch, so a
+            # node's Error makes the workflow Error (seen on the real v4.0.5 controller).
+            result.phase = failed[0].phase if failed else "Succeeded"
             if failed:
                 result.message = f"{failed[0].task} {failed[0].phase}: {failed[0].message}"
             else:
@@ -365,6 +367,7 @@ class LocalRun:
                      f"{plan.limit + 1})")
             exit_code = self.pods.attempt(task, inputs, artifacts, node, node_name, attempt,
                                           cutoff if attempt else None)
+            node.exit_codes.append(exit_code)
             if node.phase == "Succeeded":
                 self.log(f"{task.name}: Succeeded in {time.monotonic() - first:.1f} s "
                          f"(the step itself {node.step_seconds:.1f} s)")

@@ -25,6 +25,8 @@ templates. :func:`check_workflow` walks every key before anything runs:
 """
 from __future__ import annotations
 
+import math
+import os
 import re
 from typing import Any, Iterable, Mapping
 
@@ -46,6 +48,30 @@ def duration_seconds(value: Any, where: str) -> float:
     if not parts or "".join(n + u for n, u in parts) != text:
         raise LocalRunError(f"{where}: {value!r} is not a duration (e.g. 30s, 10m, 720h)")
     return sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+
+RESOURCE_FIELD_KEYS = {"resource", "divisor", "containerName"}
+_CPU = re.compile(r"(\d+(?:\.\d+)?)(m?)")
+
+
+def cpu_cores(value: Any, where: str) -> float:
+    """A Kubernetes CPU quantity ("2", "1.5", "500m") in cores."""
+    match = _CPU.fullmatch(str(value).strip())
+    if not match:
+        raise LocalRunError(f"{where}: {value!r} is not a CPU quantity (e.g. 2, 1.5, 500m)")
+    return float(match[1]) / (1000 if match[2] else 1)
+
+
+def cpu_field(resources: dict, ref: dict, where: str) -> str:
+    """What the downward API's ``resourceFieldRef`` gives a container for ``requests.cpu``
+    or ``limits.cpu``: the quantity over ``divisor``, rounded up. An unset request is the
+    limit, else 0; an unset limit is the node's CPUs (here: this machine's)."""
+    kind = ref.get("resource", "requests.cpu").split(".")[0]
+    value = (resources.get(kind) or {}).get("cpu")
+    if value is None and kind == "requests":
+        value = (resources.get("limits") or {}).get("cpu", 0)
+    cores = cpu_cores(value, where) if value is not None else float(os.cpu_count() or 1)
+    return str(math.ceil(cores / cpu_cores(ref.get("divisor", "1"), f"{where}.divisor")))
+
 
 SHM = "/dev/shm"
 
@@ -265,11 +291,18 @@ def _check_container(template: dict, path: str, volumes: dict[str, str],
         _check_keys(env, where, {"name", "value", "valueFrom"})
         if "valueFrom" in env:
             source = env["valueFrom"]
-            _check_keys(source, f"{where}.valueFrom", {"secretKeyRef", "configMapKeyRef"})
+            _check_keys(source, f"{where}.valueFrom",
+                        {"secretKeyRef", "configMapKeyRef", "resourceFieldRef"})
             if len(source) != 1:
                 raise LocalRunError(f"{where}.valueFrom: expected exactly one reference")
             for kind, ref in source.items():
-                _check_keys(ref, f"{where}.valueFrom.{kind}", {"name", "key", "optional"})
+                _check_keys(ref, f"{where}.valueFrom.{kind}", RESOURCE_FIELD_KEYS
+                            if kind == "resourceFieldRef" else {"name", "key", "optional"})
+            resource = (source.get("resourceFieldRef") or {}).get("resource", "requests.cpu")
+            if resource not in ("requests.cpu", "limits.cpu"):
+                raise LocalRunError(f"{where}.valueFrom.resourceFieldRef.resource: "
+                                    f"{resource!r} is not resolved locally (requests.cpu and "
+                                    "limits.cpu are)")
     for mount in container.get("volumeMounts") or []:
         where = f"{cpath}.volumeMounts[{mount.get('name')}]"
         kind = volumes.get(mount.get("name"))

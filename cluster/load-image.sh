@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Load images from podman's storage into the running cluster's containerd (namespace k8s.io),
+# where the kubelet finds them by name: no registry is reachable here, so the pods' pull
+# policy must be IfNotPresent or Never (config/pipeline.yaml: images.pull_policy).
+#   bash cluster/load-image.sh IMAGE...      e.g. ghcr.io/unet-argo/unet-cpu:0.1.0
+# `podman save` is streamed into `ctr images import` (no tar on disk: the CPU image is ~6 GB).
+# An image whose config digest in containerd is podman's image ID (the same image) is skipped.
+# Run after cluster/up.sh (down.sh removes containerd's images).
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+source "$here/lib.sh"
+(( $# )) || die "usage: bash cluster/load-image.sh IMAGE..."
+ctr_() { ctr --address "$CONTAINERD_SOCK" -n k8s.io "$@"; }
+# The config digest of the image NAME in containerd (empty when it is not there): the
+# manifest's config.digest, which is what podman reports as the image ID.
+loaded_id() {
+  local manifest
+  manifest="$(ctr_ images ls "name==$1" | awk 'NR == 2 {print $3}')"
+  [[ -n "$manifest" ]] || return 0
+  ctr_ content get "$manifest" | python3 -c 'import json, sys; print(json.load(sys.stdin)["config"]["digest"])'
+}
+ctr_ version > /dev/null 2>&1 || die "containerd is not running ($CONTAINERD_SOCK): bash cluster/up.sh first"
+
+for image in "$@"; do
+  id="$(podman image inspect --format '{{.Id}}' "$image" 2> /dev/null)" \
+    || die "$image is not in podman's storage (containers/podman/build.sh builds the CPU image)"
+  # containerd stores a name without a registry under docker.io/ (reference.ParseNormalizedNamed);
+  # ours all name one (ghcr.io/..., localhost/...).
+  if [[ "$(loaded_id "$image")" == "sha256:$id" ]]; then
+    log "$image: loaded already (podman image ${id:0:12})"; continue
+  fi
+  t0=$SECONDS
+  log "$image: podman save | ctr images import ($(podman image inspect --format '{{.Size}}' "$image" | numfmt --to=iec))"
+  podman save --format docker-archive "$image" | ctr_ images import - > /dev/null
+  [[ "$(loaded_id "$image")" == "sha256:$id" ]] || die "$image: containerd holds another image after the import"
+  log "$image: loaded in $(( SECONDS - t0 ))s"
+done

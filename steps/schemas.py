@@ -1,0 +1,338 @@
+"""One schema per metadata format a step reads, and the one way to read JSON.
+
+A step never indexes metadata it has not validated: every reader goes through
+:func:`read_json` (or :func:`parse_json` for JSON inside another file) and :func:`validate`,
+so any input gives either a checked value or one :class:`StepError` line naming the file and
+the first field that is wrong. JSON is read as UTF-8 only, at most ``max_json_bytes`` long and
+:data:`MAX_DEPTH` levels deep (Python's parser recurses: a document nested 100 000 deep would
+raise RecursionError), without NaN or Infinity.
+
+Formats and their readers:
+
+- ``MANIFEST.json``: :class:`Manifest` (``artifacts.read_manifest``, every consumer);
+- an MSD task's ``dataset.json``: :class:`RawTask` (download before publishing ``raw``, and
+  preprocess: what one publishes the other accepts);
+- the ``dataset`` artifact's ``dataset.json``: :class:`Dataset` (``dataset.read_metadata``
+  for train, convert and quantize; preprocess before publishing);
+- the ONNX model's metadata: :class:`Contract` (predict);
+- ``model-card.json``: :class:`ModelCard` (quantize);
+- ``best.pt``/``last.pt``: :class:`ModelCheckpoint` (convert);
+- ``ckpt-*.pt`` and ``best-epoch*.pt``: :class:`TrainCheckpoint`, :class:`BestWeights`
+  (train, on resume);
+- download's cache mark: :class:`CacheMark`.
+
+Schemas are strict (no "4" for 4, no 1.0 for 1) and ignore keys they do not name, so newer
+writers stay readable. Validation returns the model; callers that keep a plain dict use
+the value they passed in, which strict validation leaves exactly as checked.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError,
+                      model_validator)
+
+from steps import limits
+from steps.errors import StepError
+from steps.model import MAX_FILTERS
+from steps.params import MAX_SIDE, N_FOLDS
+
+MAX_DEPTH = 32          # deepest nesting any format needs is 5 (a dataset's crop boxes)
+MAX_CLASSES = 256       # labels are uint8
+MAX_CHANNELS = 64
+Model = TypeVar("Model", bound=BaseModel)
+
+
+# ------------------------------------------------------------------------------ reading
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1)
+                         for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+def parse_json(data: bytes | str, where: str) -> Any:
+    """``data`` as JSON: UTF-8, no NaN/Infinity, at most MAX_DEPTH deep; else StepError."""
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+    except UnicodeDecodeError as exc:
+        raise StepError(f"{where} is not UTF-8 text (byte {exc.start})") from None
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise StepError(f"{where} is nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as exc:
+        raise StepError(f"{where} is not valid JSON ({exc})") from None
+    if _depth(value) > MAX_DEPTH:
+        raise StepError(f"{where} is nested deeper than {MAX_DEPTH} levels")
+    return value
+
+
+def read_json(path: Path | str, where: str) -> Any:
+    """The JSON file ``path``, held to ``max_json_bytes`` before it is read."""
+    try:
+        with open(path, "rb") as handle:
+            limits.check("max_json_bytes", Path(path).stat().st_size, where)
+            data = handle.read()
+    except OSError as exc:
+        raise StepError(f"{where} cannot be read ({exc.strerror or exc})") from None
+    return parse_json(data, where)
+
+
+def validate(schema: type[Model], value: Any, where: str) -> Model:
+    """``value`` checked against ``schema``; the first problem as one StepError line."""
+    try:
+        return schema.model_validate(value)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        field = ".".join(str(part) for part in first["loc"]) or "top level"
+        got = first.get("input")
+        shown = "" if isinstance(got, (dict, list)) or first["type"] == "missing" \
+            else f" (got {got!r:.80})"
+        message = first["msg"].removeprefix("Value error, ")
+        raise StepError(f"{where}: {field}: {message}{shown}") from None
+
+
+def load(path: Path | str, schema: type[Model], where: str) -> Model:
+    return validate(schema, read_json(path, where), where)
+
+
+# ------------------------------------------------------------------------ building blocks
+
+class Schema(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", protected_namespaces=())
+
+
+def _index_map(low: int, high: int):
+    """A map whose keys are exactly '0'..'N-1', with ``low`` <= N <= ``high``."""
+    def check(table: dict[str, str]) -> dict[str, str]:
+        if not low <= len(table) <= high:
+            raise ValueError(f"needs {low} to {high} entries, has {len(table)}")
+        if sorted(table) != sorted(str(i) for i in range(len(table))):
+            raise ValueError(f"keys must be '0'..'{len(table) - 1}', got {sorted(table)[:5]}")
+        return table
+    return AfterValidator(check)
+
+
+Labels = Annotated[dict[str, str], _index_map(2, MAX_CLASSES)]
+Channels = Annotated[list[str], Field(min_length=1, max_length=MAX_CHANNELS)]
+Count = Annotated[int, Field(ge=0)]
+Side = Annotated[int, Field(ge=1, le=MAX_SIDE)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Fold = Annotated[int, Field(ge=0, le=N_FOLDS - 1)]
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+def _tensor(value: Any) -> Any:
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"must be a tensor, got {type(value).__name__}")
+    return value
+
+
+Tensor = Annotated[Any, AfterValidator(_tensor)]
+
+
+# ---------------------------------------------------------------------------- artifacts
+
+class ManifestFile(Schema):
+    path: str
+    size: Count
+    sha256: Sha256
+
+
+class Manifest(Schema):
+    artifact: str
+    schema_version: int
+    producer: dict[str, Any] = {}
+    files: list[ManifestFile]
+
+
+class RawEntry(Schema):
+    image: str
+    label: str
+
+
+class TestEntry(Schema):
+    image: str
+
+
+class RawTask(Schema):
+    """An MSD task's ``dataset.json``, as far as preprocess reads it: what download may
+    publish is what preprocess accepts."""
+    modality: Annotated[dict[str, str], _index_map(1, MAX_CHANNELS)]
+    labels: Labels
+    training: list[RawEntry] = Field(min_length=1)
+    test: list[str | TestEntry] = []
+    numTraining: Count | None = None
+    numTest: Count | None = None
+
+    @model_validator(mode="after")
+    def _counts(self) -> "RawTask":
+        for key, entries in (("numTraining", self.training), ("numTest", self.test)):
+            stated = getattr(self, key)
+            if stated is not None and stated != len(entries):
+                raise ValueError(f"{key} is {stated} but the list has {len(entries)}")
+        return self
+
+
+class DatasetCase(Schema):
+    name: str = Field(min_length=1, max_length=255)
+    image: str
+    label: str
+    spacing: list[Annotated[float, Field(gt=0, allow_inf_nan=False)]] = \
+        Field(min_length=3, max_length=3)
+
+
+class Split(Schema):
+    train: list[str]
+    val: list[str]
+
+
+class Dataset(Schema):
+    """The ``dataset`` artifact's ``dataset.json`` (format in ``steps.dataset``): what
+    preprocess publishes and train, convert and quantize read."""
+    format_version: Literal[1]
+    name: str = ""
+    mode: Literal["default", "anchor"] = "default"
+    channels: Channels
+    labels: Labels
+    patch_size: list[Side] = Field(min_length=2, max_length=2)
+    image_dtype: Literal["float16", "float32"]
+    label_dtype: Literal["uint8"] = "uint8"
+    orientation: str = ""
+    normalisation: dict[str, Any]
+    cases: list[DatasetCase] = Field(min_length=1)
+    folds: list[Split] = Field(min_length=1, max_length=N_FOLDS)
+
+    @model_validator(mode="after")
+    def _folds(self) -> "Dataset":
+        """Folds name known cases and never validate on their own training cases."""
+        names = [case.name for case in self.cases]
+        if len(set(names)) != len(names):
+            raise ValueError("case names must be unique")
+        for index, fold in enumerate(self.folds):
+            shared = sorted(set(fold.train) & set(fold.val))
+            if shared:
+                raise ValueError(f"fold {index} validates on its training case {shared[0]!r}")
+            unknown = sorted(set(fold.train + fold.val) - set(names))
+            if unknown:
+                raise ValueError(f"fold {index} names unknown case {unknown[0]!r}")
+        return self
+
+
+# ------------------------------------------------------------------------------ models
+
+class Network(Schema):
+    """``steps.model.ModelConfig`` as a checkpoint stores it, bounded so that building the
+    network cannot allocate without limit."""
+    in_channels: int = Field(ge=1, le=MAX_CHANNELS)
+    out_channels: int = Field(ge=2, le=MAX_CLASSES)
+    base_filters: int = Field(ge=1, le=MAX_FILTERS)
+    max_filters: int = Field(ge=1, le=MAX_FILTERS)
+    levels: int = Field(ge=2, le=8)
+    norm: Literal["instance", "batch", "group"]
+    deep_supervision: bool
+    deep_supervision_heads: int = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _heads(self) -> "Network":
+        if self.deep_supervision_heads > self.levels - 2:
+            raise ValueError(f"deep_supervision_heads {self.deep_supervision_heads} needs "
+                             f"more than {self.levels} levels")
+        return self
+
+
+class HasNetwork(Schema):
+    """Any checkpoint: the network it holds weights for."""
+    network: Network = Field(alias="model_config")
+
+
+class TrainConfig(Schema):
+    fold: Fold = 0
+
+
+class ModelCheckpoint(HasNetwork):
+    """``best.pt``/``last.pt`` of the ``model`` artifact (``steps.train.model_payload``)."""
+    model_state: dict[str, Tensor]
+    train_config: TrainConfig = TrainConfig()
+    format_version: Literal[1] = 1
+    channels: Channels | None = None
+    labels: Labels | None = None
+    patch_size: list[Side] | None = None
+
+
+class Progress(Schema):
+    epoch: Count
+    step: Count
+    epoch_loss: Finite
+    epoch_steps: Count
+    best_dice: Finite
+    best_epoch: Count
+    stale_epochs: Count
+    history: list[dict[str, Any]]
+
+
+class Rng(Schema):
+    torch: Tensor
+    python: list[int]
+    python_version: int
+    python_gauss: float | None
+    numpy: list[Any] = Field(min_length=5, max_length=5)
+
+
+class TrainCheckpoint(HasNetwork):
+    """A resumable ``ckpt-*.pt`` (``steps.train.Trainer._checkpoint_state``)."""
+    model_state: dict[str, Tensor]
+    optimizer_state: dict[str, Any]
+    scheduler_state: dict[str, Any]
+    scaler_state: dict[str, Any] | None = None
+    progress: Progress
+    rng: Rng
+    best_file: str | None = None
+    train_config: TrainConfig
+    format_version: Literal[1]
+
+
+class BestWeights(Schema):
+    """``best-epochNNNN.pt`` beside the checkpoints."""
+    model_state: dict[str, Tensor]
+    epoch: Count
+
+
+class Contract(Schema):
+    """The preprocessing contract in the ONNX model's ``metadata_props`` (``steps.convert``)."""
+    channels: Channels
+    labels: Labels
+    size_multiple: int = Field(ge=1, le=1024)
+    mode: Literal["default", "anchor"] = "default"
+
+
+class ModelCardTraining(Schema):
+    config: TrainConfig = TrainConfig()
+
+
+class ModelCard(Schema):
+    """``model-card.json`` of the ``exported`` artifact, as far as quantize reads it."""
+    format_version: Literal[1] = 1
+    size_multiple: int = Field(ge=1, le=1024)
+    training: ModelCardTraining = ModelCardTraining()
+
+
+class CacheMark(Schema):
+    """download's ``.verified`` mark beside a cached archive."""
+    size: Count
+    sha256: Sha256

