@@ -8,8 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("steps", "workflows", "benchmarks")
@@ -221,17 +219,3 @@ def test_the_readme_links_the_failure_modes_and_what_has_run_where():
     assert "| fault | what the pipeline does | what you do |" in operations
     assert "| what | where it ran | how |" in (REPO / "docs/status.md").read_text()
 
-
-def test_ci_constraints_pin_every_declared_dependency():
-    """.ci/run installs from .ci/constraints.txt: a dependency added to pyproject.toml without
-    a refresh (.ci/refresh-constraints) would be resolved unpinned in CI."""
-    tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads pyproject.toml")
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    declared = list(project["dependencies"])
-    for extra in project["optional-dependencies"].values():
-        declared += extra
-    names = {canonicalize_name(Requirement(r).name) for r in declared} - {"unet-argo"}
-    pinned = {canonicalize_name(line.split("==")[0])
-              for line in (REPO / ".ci" / "constraints.txt").read_text().splitlines()
-              if line and not line.startswith("#")}
-    assert names and not names - pinned, sorted(names - pinned)

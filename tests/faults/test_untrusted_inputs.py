@@ -3,7 +3,8 @@
 1 outputs never overlap inputs, 2 no secret echoed, 3 bad input is exit 2 with one line,
 4 nothing poisoned published, 5 bounded tar headers, 6 bounded HTTP retries, 7 short error
 lines, 8 one-modality images end to end, 9 clean stop on SIGTERM/SIGINT, 10 messages that say
-what is wrong. Refusals that come before any work run in this process (``run_main`` around a
+what is wrong, 11 dependencies pinned for CI (the gzip decoders, zlib and isal, are both run by
+the ``gzip_backend`` fixture of tests/conftest.py). Refusals that come before any work run in this process (``run_main`` around a
 step's ``main``); what needs a real process (signals, training) runs the step's command line.
 Every refusal must be exit 2 with exactly one ``error:`` line and no traceback.
 """
@@ -28,6 +29,8 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from conftest import REPO, assert_one_error_line
 from steps import convert, download, handoff, preprocess, quantize, synthetic, train
@@ -630,3 +633,19 @@ def test_stopped_ddp_train_stops_every_rank_and_publishes_nothing(tmp_path):
         os.killpg(proc.pid, 0)            # no rank, no launcher left in the step's group
     assert not model.exists() or not list(model.iterdir()), sorted(model.rglob("*"))
     assert CheckpointStore(str(ck)).load_latest()["progress"]["step"] > 0
+
+
+# ============================================== 11: dependencies that move under us
+def test_ci_constraints_pin_every_declared_dependency():
+    """.ci/run installs from .ci/constraints.txt: a dependency added to pyproject.toml without
+    a refresh (.ci/refresh-constraints) would be resolved unpinned in CI."""
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads pyproject.toml")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        declared += extra
+    names = {canonicalize_name(Requirement(r).name) for r in declared} - {"unet-argo"}
+    pinned = {canonicalize_name(line.split("==")[0])
+              for line in (REPO / ".ci" / "constraints.txt").read_text().splitlines()
+              if line and not line.startswith("#")}
+    assert names and not names - pinned, sorted(names - pinned)
