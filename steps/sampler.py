@@ -18,6 +18,7 @@ the batch is on, drawing every random number from generators seeded by the same 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 import numpy as np
@@ -29,6 +30,60 @@ from steps.devices import host_to_device
 
 FOREGROUND_P = 0.33
 FLIP_P = 0.33                # each of the two in-plane axes
+
+
+@dataclass(frozen=True)
+class Augmentation:
+    """What :func:`augment` does to each sample, in this order (MONAI's nearest transform in
+    brackets). Every ``*_p`` is a per-sample probability in [0, 1]; every range is
+    ``(low, high)`` with ``low <= high``, and each picked sample draws its own magnitude
+    uniformly from it. The defaults are the anchors' (nnU-Net's 2-D BraTS recipe).
+
+    - ``zoom_p``, ``zoom_range``: zoom in by 1/scale, scale in (0, 1]: images bilinear, labels
+      nearest, so the (H, W) shape is kept [RandZoom].
+    - ``noise_p``, ``noise_std_range``: add Gaussian noise with this std, >= 0
+      [RandGaussianNoise].
+    - ``blur_p``, ``blur_sigma_range``: Gaussian blur in H and W, sigma > 0 in pixels
+      [RandGaussianSmooth].
+    - ``brightness_p``, ``brightness_range``: multiply by a factor > 0
+      [RandScaleIntensity].
+    - ``contrast_p``, ``contrast_range``: multiply by a factor > 0, then clamp to the
+      sample's own range before (nnU-Net's contrast augmentation with its range preserved;
+      MONAI's RandAdjustContrast applies a gamma instead).
+    """
+    zoom_p: float = 0.15
+    zoom_range: tuple[float, float] = (0.7, 1.0)
+    noise_p: float = 0.15
+    noise_std_range: tuple[float, float] = (0.0, 0.33)
+    blur_p: float = 0.15
+    blur_sigma_range: tuple[float, float] = (0.5, 1.5)
+    brightness_p: float = 0.15
+    brightness_range: tuple[float, float] = (0.7, 1.3)
+    contrast_p: float = 0.15
+    contrast_range: tuple[float, float] = (0.65, 1.5)
+
+    def __post_init__(self):
+        # (the lowest value each range may take, and whether it may take it)
+        floors = {"zoom_range": (0.0, False), "noise_std_range": (0.0, True),
+                  "blur_sigma_range": (0.0, False), "brightness_range": (0.0, False),
+                  "contrast_range": (0.0, False)}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_p"):
+                if not 0.0 <= value <= 1.0:
+                    raise ValueError(f"augmentation {f.name}={value} is not in [0, 1]")
+                continue
+            low, high = value
+            floor, inclusive = floors[f.name]
+            if not (low <= high and (low >= floor if inclusive else low > floor)):
+                raise ValueError(f"augmentation {f.name}={value} is not a range (low, high) "
+                                 f"with {floor} {'<=' if inclusive else '<'} low <= high")
+        if self.zoom_range[1] > 1.0:
+            raise ValueError(f"augmentation zoom_range={self.zoom_range}: a scale above 1 "
+                             "would zoom out")
+
+
+ANCHORS = Augmentation()
 
 
 def batch_seed(seed: int, step: int, rank: int) -> np.random.SeedSequence:
@@ -218,9 +273,11 @@ def _shifted_sum(x: torch.Tensor, kernel: list[float], length: int, dim: int) ->
 
 
 def augment(images: torch.Tensor, labels: torch.Tensor, seed: int,
-            noise_generator: torch.Generator | None = None, inplace: bool = False):
-    """The anchors' augmentations other than the flips (see :class:`SliceSampler`): zoom,
-    noise, blur, brightness and contrast, per sample, on ``images``' device.
+            noise_generator: torch.Generator | None = None, inplace: bool = False,
+            spec: Augmentation = ANCHORS):
+    """The augmentations other than the flips (see :class:`SliceSampler`): zoom, noise,
+    blur, brightness and contrast, per sample, on ``images``' device, as ``spec`` says (by
+    default the anchors', which give the same batches bit for bit as before it existed).
 
     images (N, C, H, W) float, labels (N, H, W) int64 → tensors of the same shapes (the inputs
     themselves when ``inplace``). Per-sample decisions and magnitudes come from a CPU generator
@@ -236,14 +293,14 @@ def augment(images: torch.Tensor, labels: torch.Tensor, seed: int,
     def picked(p: float) -> list[int]:
         return torch.nonzero(_chance(gen, n, p)).flatten().tolist()
 
-    zoom, scale = picked(0.15), _uniform(gen, n, 0.7, 1.0)
+    zoom, scale = picked(spec.zoom_p), _uniform(gen, n, *spec.zoom_range)
     if zoom:
         rows = host_to_device(torch.tensor(zoom), device)
         zoomed, zoomed_labels = _zoom(images.index_select(0, rows),
                                       labels.index_select(0, rows), scale[zoom])
         images.index_copy_(0, rows, zoomed)
         labels.index_copy_(0, rows, zoomed_labels.to(labels.dtype))
-    noisy, std = picked(0.15), _uniform(gen, n, 0.0, 0.33)
+    noisy, std = picked(spec.noise_p), _uniform(gen, n, *spec.noise_std_range)
     if noisy:
         shape = (len(noisy),) + tuple(images.shape[1:])
         noise = host_to_device(torch.empty(shape).normal_(generator=gen), device) \
@@ -251,13 +308,13 @@ def augment(images: torch.Tensor, labels: torch.Tensor, seed: int,
             else torch.empty(shape, device=device).normal_(generator=noise_generator)
         for i, sample_noise in zip(noisy, noise.to(images.dtype)):
             images[i].add_(sample_noise, alpha=float(std[i]))
-    blurred, sigma = picked(0.15), _uniform(gen, n, 0.5, 1.5)
+    blurred, sigma = picked(spec.blur_p), _uniform(gen, n, *spec.blur_sigma_range)
     for i in blurred:           # one at a time: each gets the kernel width of its own sigma
         images[i] = _gaussian_blur(images[i:i + 1], float(sigma[i]))[0]
-    bright, factor = picked(0.15), _uniform(gen, n, 0.7, 1.3)
+    bright, factor = picked(spec.brightness_p), _uniform(gen, n, *spec.brightness_range)
     for i in bright:
         images[i] *= float(factor[i])
-    contrast, factor = picked(0.15), _uniform(gen, n, 0.65, 1.5)
+    contrast, factor = picked(spec.contrast_p), _uniform(gen, n, *spec.contrast_range)
     for i in contrast:
         low, high = torch.aminmax(images[i])
         images[i].mul_(float(factor[i])).clamp_(low, high)

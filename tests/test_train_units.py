@@ -19,8 +19,8 @@ from steps.checkpoints import LATEST, CheckpointStore
 from steps.dataset import Case
 from steps.errors import StepError
 from steps.losses import DeepSupervisionLoss, dice_per_class
-from steps.sampler import (SliceSampler, StepDataset, _foreground_voxel, _gaussian_blur,
-                           augment, pad_crop_2d, torch_seed)
+from steps.sampler import (Augmentation, SliceSampler, StepDataset, _foreground_voxel,
+                           _gaussian_blur, augment, pad_crop_2d, torch_seed)
 
 REPO = Path(__file__).resolve().parents[1]
 STANDIN = Path(__file__).resolve().parent / "hpu_standin"
@@ -117,6 +117,26 @@ def test_augment_is_seeded_and_keeps_labels_valid():
     assert not torch.equal(a1, x)          # with 64 samples some augmentation fired
     a3, _ = augment(x, y, seed=124)
     assert not torch.equal(a1, a3)
+
+
+def test_augmentation_spec_switches_each_transform_and_checks_its_ranges():
+    x, y = SliceSampler(_cases(), (16, 32), batch=16, seed=2)(0)
+    off = Augmentation(zoom_p=0, noise_p=0, blur_p=0, brightness_p=0, contrast_p=0)
+    a, b = augment(x, y, seed=5, spec=off)
+    assert torch.equal(a, x) and torch.equal(b, y)
+    doubled = Augmentation(zoom_p=0, noise_p=0, blur_p=0, contrast_p=0, brightness_p=1,
+                           brightness_range=(2.0, 2.0))
+    a, b = augment(x, y, seed=5, spec=doubled)
+    assert torch.equal(a, 2 * x) and torch.equal(b, y)
+    zoomed = Augmentation(noise_p=0, blur_p=0, brightness_p=0, contrast_p=0, zoom_p=1,
+                          zoom_range=(0.5, 0.5))
+    a, b = augment(x, y, seed=5, spec=zoomed)
+    assert a.shape == x.shape and not torch.equal(b, y)
+    for bad in ({"noise_p": 1.5}, {"blur_sigma_range": (1.0, 0.5)},
+                {"brightness_range": (0.0, 1.0)}, {"zoom_range": (0.7, 1.2)},
+                {"noise_std_range": (-0.1, 0.3)}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Augmentation(**bad)
 
 
 def test_torch_seed_is_a_pure_function_of_the_triple():
