@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Sequence
 
-from pathlib import Path
-
 from steps.artifacts import require
-from steps.errors import OneLineArgumentParser, StepError, run_main
+from steps.errors import MAX_LINE, OneLineArgumentParser, StepError, run_main
 
 REFUSAL = "INPUT_ERROR"
 
@@ -57,7 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         upload_dir(args.directory, args.uri)
     refusal = Path(args.directory, REFUSAL)
     if refusal.is_file():  # the job's verdict on its input, in the step's own words
-        line = refusal.read_text(encoding="utf-8", errors="replace").strip()
+        with open(refusal, "rb") as handle:   # one error line: no more is ever read
+            line = handle.read(4 * MAX_LINE).decode("utf-8", errors="replace").strip()
         raise StepError(line.removeprefix("error: "))
     manifest = require(args.directory, args.artifact)
     print(f"{args.artifact}: {len(manifest['files'])} files verified", file=sys.stderr)

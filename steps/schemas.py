@@ -28,6 +28,7 @@ the value they passed in, which strict validation leaves exactly as checked.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -81,11 +82,13 @@ def parse_json(data: bytes | str, where: str) -> Any:
 
 
 def read_json(path: Path | str, where: str) -> Any:
-    """The JSON file ``path``, held to ``max_json_bytes`` before it is read."""
+    """The JSON file ``path``, held to ``max_json_bytes`` before it is read (the size of
+    the file opened, and never more bytes than that bound)."""
     try:
         with open(path, "rb") as handle:
-            limits.check("max_json_bytes", Path(path).stat().st_size, where)
-            data = handle.read()
+            limits.check("max_json_bytes", os.fstat(handle.fileno()).st_size, where)
+            data = handle.read(limits.get("max_json_bytes") + 1)
+        limits.check("max_json_bytes", len(data), where)
     except OSError as exc:
         raise StepError(f"{where} cannot be read ({exc.strerror or exc})") from None
     return parse_json(data, where)

@@ -110,7 +110,7 @@ def parse(text: str, flag: str, kinds: tuple[str, ...]) -> Uri:
     except ValueError as exc:       # e.g. an unclosed IPv6 bracket
         raise StepError(f"{flag} '{shown}': not a valid URI ({exc})") from None
     if kind == "s3":
-        return _s3(text, flag, parts)
+        return _s3(text, flag, shown)
     if kind == "http":
         if not parts.netloc or not parts.path.strip("/"):
             raise StepError(f"{flag} '{shown}': an http(s) URI needs a host and a file path")
@@ -118,18 +118,18 @@ def parse(text: str, flag: str, kinds: tuple[str, ...]) -> Uri:
     if kind == "file":
         raw = parts.path if parts.netloc in ("", "localhost") else parts.netloc + parts.path
         if not raw:
-            raise StepError(f"{flag} '{redact(text)}': a file URI needs a path (file:///data/x.tar)")
+            raise StepError(f"{flag} '{shown}': a file URI needs a path (file:///data/x.tar)")
         return Uri("file", text, path=Path(unquote(raw)))
     if parts.netloc or parts.path.strip("/"):
-        raise StepError(f"{flag} '{redact(text)}': write synthetic://?cases=N&shape=HxWxD&seed=S")
+        raise StepError(f"{flag} '{shown}': write synthetic://?cases=N&shape=HxWxD&seed=S")
     return Uri("synthetic", text, query=parts.query)
 
 
-def _s3(text: str, flag: str, parts) -> Uri:
+def _s3(text: str, flag: str, shown: str) -> Uri:
     bucket, _, key = text[len("s3://"):].partition("/")
     if not BUCKET.match(bucket):
-        raise StepError(f"{flag} '{redact(text)}': bucket name '{bucket}' is not valid "
+        raise StepError(f"{flag} '{shown}': bucket name '{bucket}' is not valid "
                         "(3-63 lower-case letters, digits, '.', '-')")
     if any(part in (".", "..") for part in key.split("/")):
-        raise StepError(f"{flag} '{redact(text)}': a key may not hold '.' or '..' segments")
+        raise StepError(f"{flag} '{shown}': a key may not hold '.' or '..' segments")
     return Uri("s3", text, bucket=bucket, key=key)
