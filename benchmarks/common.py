@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
+import json
 import multiprocessing
 import os
 import platform
@@ -12,12 +13,16 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Callable
 
-from steps import synthetic
+import torch
+
+from emulator.s3target import environ
+from steps import devices, limits, nifti, synthetic
 from steps.artifacts import write_manifest
-from workflows.local.s3target import environ
+from workflows.config import load_config
 
 FULL_SHAPE = synthetic.FULL_SHAPE
 SMOKE_SHAPE = (48, 48, 24)
@@ -103,7 +108,6 @@ def peak_rss() -> int:
 
 def _child_entry(fn: Callable, args: tuple, threads: int | None) -> tuple[Any, int]:
     if threads:
-        import torch
         torch.set_num_threads(threads)
     result = fn(*args)
     return result, peak_rss()
@@ -115,7 +119,6 @@ INLINE = False   # --smoke: run in this process (fast; peak RSS is then this pro
 def step_env() -> dict[str, str]:
     """What the pipeline adds to every step's environment (``resources.extra_env``), which
     ours runs with; the baselines run as the anchors do, without it."""
-    from workflows.config import load_config
     return dict(load_config(None, None, [], local=True).resources.extra_env)
 
 
@@ -192,7 +195,6 @@ def raw_task(settings: Settings, cases: int) -> Path:
             name = f"{synthetic.case_name(number)}.nii.gz"
             os.link(task / sub / name, out / sub / name)
     meta = synthetic.dataset_json([synthetic.case_name(n) for n in range(1, cases + 1)], [])
-    import json
     (out / "dataset.json").write_text(json.dumps(meta, indent=1))
     write_manifest(root, "raw", "download", {"benchmark": True})
     return root
@@ -248,7 +250,6 @@ def _cpu_model() -> str:
 
 def _version(module: str) -> str | None:
     try:
-        from importlib.metadata import version
         return version(module)
     except Exception:
         return None
@@ -257,7 +258,6 @@ def _version(module: str) -> str | None:
 def machine_gpu() -> str | None:
     """The CUDA cards' names, or None."""
     try:
-        import torch
         if torch.cuda.is_available():
             return ", ".join(torch.cuda.get_device_name(i)
                              for i in range(torch.cuda.device_count()))
@@ -283,7 +283,6 @@ def machine() -> dict[str, Any]:
                 mem = int(line.split()[1]) * 1024
     except OSError:
         pass
-    from steps import devices, limits, nifti
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu_model": _cpu_model(), "arch": platform.machine(),

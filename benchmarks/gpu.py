@@ -27,19 +27,19 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from benchmarks import loader, trainstep
 from benchmarks.common import Row, Settings, dataset_dir, gpu_rows_device, in_child, step_env
 from benchmarks.trainstep import NVIDIA_A100_AMP_IMG_S, NVIDIA_CARD
+from steps import devices, train
 
-PROFILE_WORKERS = 8          # config/pipeline.yaml, profile cuda_1gpu: train.num_workers
+PROFILE_WORKERS = 8          # train.num_workers of profile cuda_1gpu (config/pipeline.yaml)
 
 
 def _trainer_class():
     """``steps.train.Trainer`` with its loader timed (imported late: the parent process of
     the benchmarks never imports torch's CUDA state)."""
-    import torch
-    from steps import train
 
     class InputTimedTrainer(train.Trainer):
         waits: list
@@ -73,7 +73,6 @@ def epoch_profile(dataset: Path, device: str, batch: int, steps: int, workers: i
     """One warm-up epoch (the loader's workers start, cuDNN tunes, torch.compile compiles),
     then one timed epoch of ``steps.train``'s loop: img/s, and the GPU's and the host's wait
     for input (seconds and share of the epoch)."""
-    from steps import devices, train
 
     devices.CUDA_CHANNELS_LAST = channels_last
     with tempfile.TemporaryDirectory() as scratch:
@@ -102,7 +101,6 @@ def epoch_profile(dataset: Path, device: str, batch: int, steps: int, workers: i
 
 def ours_in_layout(channels_last: bool, *args) -> tuple[float, float]:
     """``benchmarks.trainstep.run_ours`` with the CUDA memory layout chosen."""
-    from steps import devices
 
     devices.CUDA_CHANNELS_LAST = channels_last
     return trainstep.run_ours(*args)

@@ -13,13 +13,20 @@ from __future__ import annotations
 import time
 import warnings
 
+from monai.data import set_track_meta
+from monai.transforms import (Compose, MapTransform, RandCropByPosNegLabeld, RandFlipd,
+                              RandGaussianNoised, RandGaussianSmoothd, RandomizableTransform,
+                              RandScaleIntensityd, RandZoomd, SpatialPadd)
 import numpy as np
+import torch
 
 from benchmarks.common import Row, Settings, dataset_dir, in_child, step_env
+from steps import devices
+from steps.dataset import open_cases, read_metadata
+from steps.sampler import SliceSampler, augment, torch_seed
 
 
 def _contrast_transform():
-    from monai.transforms import MapTransform, RandomizableTransform
 
     class RandContrastClampd(RandomizableTransform, MapTransform):
         def __init__(self, keys, prob: float, low: float, high: float):
@@ -45,9 +52,6 @@ def _contrast_transform():
 
 
 def monai_pipeline(patch: tuple[int, int], seed: int):
-    from monai.transforms import (Compose, RandCropByPosNegLabeld, RandFlipd,
-                                  RandGaussianNoised, RandGaussianSmoothd, RandScaleIntensityd,
-                                  RandZoomd, SpatialPadd)
     keys = ["image", "label"]
     pipeline = Compose([
         SpatialPadd(keys, spatial_size=patch),
@@ -68,7 +72,6 @@ def monai_pipeline(patch: tuple[int, int], seed: int):
 def _mapped(dataset) -> list:
     """The cases, memory-mapped and every page touched once: both sides start as a training
     run does after its first pass over the data, not with first-touch page faults."""
-    from steps.dataset import open_cases, read_metadata
 
     cases = open_cases(dataset, read_metadata(dataset, check_hashes=False))
     for case in cases:
@@ -79,8 +82,6 @@ def _mapped(dataset) -> list:
 def run_monai(dataset, patch, batch: int, batches: int, track_meta: bool = True) -> float:
     """Slices per second of the MONAI pipeline (after one warm-up batch); ``track_meta=False``
     is MONAI's switch from MetaTensor to plain tensors (its default is True)."""
-    import torch
-    from monai.data import set_track_meta
 
     warnings.filterwarnings("ignore")
     set_track_meta(track_meta)
@@ -113,7 +114,6 @@ def run_monai(dataset, patch, batch: int, batches: int, track_meta: bool = True)
 def run_ours(dataset, patch, batch: int, batches: int, on_device: bool = False) -> float:
     """Slices per second of SliceSampler + augment, or of the sampler alone when
     ``on_device`` (what the CPU does when steps.train augments on a GPU or HPU)."""
-    from steps.sampler import SliceSampler, augment, torch_seed
 
     sampler = SliceSampler(_mapped(dataset), patch, batch, seed=0)
 
@@ -133,8 +133,6 @@ def run_on_device(dataset, patch, batch: int, batches: int, device: str) -> dict
     """Slices per second with augmentation on ``device``, as steps.train runs it there:
     ``augment_only`` re-augments one batch already on the device; ``with_host_sampling``
     adds SliceSampler on one host core and the copy. Timed to a device synchronisation."""
-    from steps import devices
-    from steps.sampler import SliceSampler, augment, torch_seed
 
     info = devices.select_device(device, "fp32")
     sampler = SliceSampler(_mapped(dataset), patch, batch, seed=0)

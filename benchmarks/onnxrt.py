@@ -2,17 +2,19 @@
 export time of steps.convert's export path (torch.export, then the dynamo ONNX exporter)."""
 from __future__ import annotations
 
+import os
 import time
 
+import torch
+
 from benchmarks.common import Row, Settings, in_child, throughput
+from steps import convert, predict
+from steps.model import ModelConfig, build_model
 
 OPSET = 17
 
 
 def measure(path: str, patch, batch: int, runs: int, filters: int, levels: int) -> dict:
-    import torch
-    from steps import convert, predict
-    from steps.model import ModelConfig, build_model
 
     torch.manual_seed(0)
     config = ModelConfig(base_filters=filters, levels=levels)
@@ -38,7 +40,6 @@ def measure(path: str, patch, batch: int, runs: int, filters: int, levels: int) 
 
 
 def run(settings: Settings) -> dict:
-    import os
     path = settings.workdir / "bench.onnx"
     result, rss = in_child(measure, str(path), settings.patch, settings.batch, settings.onnx_runs,
                            settings.base_filters, settings.levels,

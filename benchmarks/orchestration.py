@@ -1,7 +1,7 @@
 """6. Orchestration: what ``run --local`` adds around the steps' own run time.
 
 Runs the compiled Workflow of the ``local`` profile (smaller with ``--smoke``) with
-``workflows.local.run_workflow`` and its embedded S3 server, then reports
+``emulator.run_workflow`` and its embedded S3 server, then reports
 overhead = wall time − sum of the steps' own wall time (``RunResult.overhead_seconds``):
 S3 start, artifact uploads and downloads, manifest checks, DAG bookkeeping. A second run
 against an S3 server that is already up separates the embedded server's start from the rest.
@@ -18,12 +18,13 @@ from __future__ import annotations
 import os
 import shutil
 from datetime import datetime
-from typing import TYPE_CHECKING
 
 from benchmarks.common import Row, Settings
-
-if TYPE_CHECKING:
-    from workflows.local.results import RunResult
+from emulator.results import RunResult
+from emulator.runner import run_workflow
+from workflows.config import load_config
+from workflows.s3server import SeaweedServer
+from workflows.unet import build
 
 SMOKE_OVERRIDES = ["download.source=synthetic://?cases=5&shape=32x32x12&seed=0",
                    "preprocess.patch_size=32x32", "preprocess.workers=1",
@@ -33,10 +34,7 @@ SMOKE_OVERRIDES = ["download.source=synthetic://?cases=5&shape=32x32x12&seed=0",
                    "pipeline.stages=[download,preprocess,train,convert]"]
 
 
-def _local_run(config, run_dir, env) -> "RunResult":
-    from workflows.local.runner import run_workflow
-    from workflows.unet import build
-
+def _local_run(config, run_dir, env) -> RunResult:
     shutil.rmtree(run_dir, ignore_errors=True)
     result = run_workflow(build(config, "workflow").to_dict(), run_dir=run_dir, env=env,
                           output_dir=run_dir / "outputs", bucket=config.storage.bucket,
@@ -47,10 +45,8 @@ def _local_run(config, run_dir, env) -> "RunResult":
     return result
 
 
-def _external_s3_run(config, run_dir, env) -> "RunResult":
+def _external_s3_run(config, run_dir, env) -> RunResult:
     """The same run against an S3 that is already up (as the docker-compose MinIO is)."""
-    from workflows.s3server import SeaweedServer
-
     s3_dir = run_dir.with_name(run_dir.name + "-s3")
     shutil.rmtree(s3_dir, ignore_errors=True)    # no memoized nodes from an earlier run
     with SeaweedServer(s3_dir, buckets=[config.storage.bucket]) as server:
@@ -65,8 +61,6 @@ def _details(result) -> dict:
 
 
 def run(settings: Settings) -> dict:
-    from workflows.config import load_config
-
     overrides = SMOKE_OVERRIDES if settings.smoke else []
     config = load_config(None, None, overrides, local=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}

@@ -17,14 +17,14 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import Row, Settings, step_dataset, step_env
-from workflows.local.s3target import environ
+from emulator.s3target import environ
+from workflows.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _local_train_args() -> list[str]:
     """steps.train flags of the ``local`` profile's train section, precision left out."""
-    from workflows.config import load_config
 
     train = load_config(None, None, [], local=True).train
     flags = {"devices": 1, "batch-size": train.batch_size, "val-batch-size": train.val_batch_size,
@@ -36,7 +36,6 @@ def _local_train_args() -> list[str]:
 
 
 def _dataset(settings: Settings) -> Path:
-    from workflows.config import load_config
 
     cfg = load_config(None, None, [], local=True)
     if settings.smoke:

@@ -13,10 +13,13 @@ import zlib
 from pathlib import Path
 from typing import Callable
 
+from monai.transforms import CropForegroundd, NormalizeIntensity
+import nibabel as nib
 import numpy as np
 
 from benchmarks.common import Row, Settings, case_files, in_child, raw_task, step_env
 from steps import nifti
+from steps.preprocess import Job, process_case
 
 
 # ---------------------------------------------------------------------------- baseline
@@ -35,8 +38,6 @@ def _pad_crop(array: np.ndarray, patch: tuple[int, int]) -> np.ndarray:
 
 def anchor_case(image_path: Path, label_path: Path, out_dir: Path, name: str,
                 patch: tuple[int, int]) -> None:
-    import nibabel as nib
-    from monai.transforms import CropForegroundd, NormalizeIntensity
 
     image = nib.load(str(image_path)).get_fdata(dtype=np.float32)       # (x, y, z, C)
     label = np.asarray(nib.load(str(label_path)).dataobj).astype(np.uint8)
@@ -60,7 +61,6 @@ def _timed(fn: Callable[[], None]) -> tuple[float, float]:
 
 
 def run_anchor(cases: list, out_dir: Path, patch: tuple[int, int]) -> list[tuple[float, float]]:
-    import monai.transforms  # noqa: F401  (imports are not part of a case's time)
     anchor_case(*cases[0][1:], out_dir, cases[0][0], patch)     # warm-up, as ours
     return [_timed(lambda: anchor_case(image, label, out_dir, name, patch))
             for name, image, label in cases]
@@ -71,8 +71,6 @@ def run_anchor(cases: list, out_dir: Path, patch: tuple[int, int]) -> list[tuple
 def run_ours(cases: list, out_dir: Path, patch: tuple[int, int], mode: str,
              gzip: str | None = None) -> list[tuple[float, float]]:
     """(wall, CPU) seconds per case; ``gzip`` forces steps.nifti's decoder ("zlib")."""
-    from steps import nifti
-    from steps.preprocess import Job, process_case
 
     jobs = [Job(name=name, image=str(image), label=str(label), n_channels=4,
                 labels=(0, 1, 2, 3), mode=mode, patch=patch,

@@ -9,11 +9,18 @@ instructions (AVX-512 VNNI, AVX-VNNI, AMX) are recorded with the figures.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from benchmarks.common import Row, Settings, in_child, throughput, step_dataset
+from steps import convert, params, predict, quantize
+from steps.dataset import open_cases, read_metadata
+from steps.model import ModelConfig, build_model
 
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16")
 
@@ -28,7 +35,6 @@ def cpu_isa() -> dict[str, bool]:
 
 def _openvino(fp32: Path, calibration, keep: list[str]) -> dict:
     """OpenVINO's FP32 model and the quantize step's NNCF INT8 IR; {} when absent."""
-    from steps import quantize
     made = quantize.openvino_ir(fp32, fp32.with_name("int8-openvino.xml"), calibration, keep)
     if made is None:
         return {}
@@ -39,11 +45,6 @@ def _openvino(fp32: Path, calibration, keep: list[str]) -> dict:
 
 def measure(workdir: str, dataset: str, patch, batches, repeats: int, rounds: int,
             filters: int, levels: int) -> dict:
-    import numpy as np
-    import torch
-    from steps import convert, params, predict, quantize
-    from steps.dataset import open_cases, read_metadata
-    from steps.model import ModelConfig, build_model
 
     torch.manual_seed(0)
     config = ModelConfig(base_filters=filters, levels=levels)
@@ -79,7 +80,6 @@ def measure(workdir: str, dataset: str, patch, batches, repeats: int, rounds: in
 
 
 def run(settings: Settings) -> dict:
-    import os
     patch = "x".join(map(str, settings.patch))
     dataset = step_dataset(settings.workdir / "quantize", "synthetic://?cases=3&shape="
                            + "x".join(map(str, settings.shape[:2])) + "x24&seed=3", patch)

@@ -34,6 +34,7 @@ import numpy as np
 from benchmarks.common import Row, Settings, raw_task, step_env
 from benchmarks.precision import _dataset, _local_train_args
 from steps import limits
+from workflows.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 OURS = "ours"
@@ -46,7 +47,6 @@ IMAGE_SITE = "UNET_BENCH_IMAGE_SITE"
 
 
 def _image() -> str:
-    from workflows.config import load_config
     cpu = load_config(None, None, [], local=True).images.cpu
     return f"{cpu.repository}:{cpu.tag}"
 

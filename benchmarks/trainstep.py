@@ -11,12 +11,23 @@ to_onehot_y=True, batch=True) + CrossEntropyLoss`` over the three deep-supervisi
 """
 from __future__ import annotations
 
+import os
 import time
 import warnings
 
+from monai.losses import DiceLoss
+from monai.networks.nets import DynUNet
 import numpy as np
+import torch
 
 from benchmarks.common import Row, Settings, dataset_dir, in_child, step_env
+from benchmarks.loader import monai_pipeline
+from steps import devices
+from steps.dataset import open_cases, read_metadata
+from steps.losses import DeepSupervisionLoss
+from steps.model import ModelConfig, build_model
+from steps.sampler import SliceSampler, augment, torch_seed
+from steps.train import train_step
 
 NVIDIA_A100_AMP_IMG_S = 1238.68   # NVIDIA nnUNet 2D, 1x A100 80G, AMP, batch 64
 NVIDIA_CARD = "1x A100 80G, AMP, batch 64"
@@ -25,7 +36,6 @@ NVIDIA_CARD = "1x A100 80G, AMP, batch 64"
 def _throughput(step, make_batch, steps: int, batch: int, info) -> tuple[float, float]:
     """(end-to-end img/s, compute-only img/s) on ``info``'s device after warm-up steps (one
     on the CPU, five on a GPU for cuDNN's autotuning), each figure timed to a device sync."""
-    from steps import devices
 
     fixed = make_batch(0)
     for _ in range(1 if info.kind == "cpu" else 5):
@@ -46,8 +56,6 @@ def _throughput(step, make_batch, steps: int, batch: int, info) -> tuple[float, 
 def _device(device: str):
     """(steps.devices' choice for ``device``, its GradScaler): fp32 on the CPU, mixed
     precision and cuDNN autotuning on a GPU, for both sides."""
-    import torch
-    from steps import devices
 
     info = devices.select_device(device, "fp32" if device == "cpu" else "auto")
     if info.kind == "cuda":
@@ -57,13 +65,6 @@ def _device(device: str):
 
 def run_ours(dataset, patch, batch: int, steps: int, filters: int, levels: int,
              device: str = "cpu"):
-    import torch
-    from steps import devices
-    from steps.dataset import open_cases, read_metadata
-    from steps.losses import DeepSupervisionLoss
-    from steps.model import ModelConfig, build_model
-    from steps.sampler import SliceSampler, augment, torch_seed
-    from steps.train import train_step
 
     info, scaler = _device(device)
     devices.configure_backends(info)             # as steps.train does
@@ -91,12 +92,7 @@ def run_ours(dataset, patch, batch: int, steps: int, filters: int, levels: int,
 
 def run_baseline(dataset, patch, batch: int, steps: int, filters: int, levels: int,
                  device: str = "cpu"):
-    import torch
-    from monai.losses import DiceLoss
-    from monai.networks.nets import DynUNet
 
-    from benchmarks.loader import monai_pipeline
-    from steps.dataset import open_cases, read_metadata
 
     warnings.filterwarnings("ignore")
     info, scaler = _device(device)
@@ -141,7 +137,6 @@ def run_baseline(dataset, patch, batch: int, steps: int, filters: int, levels: i
 
 
 def run(settings: Settings) -> dict:
-    import os
     threads = len(os.sched_getaffinity(0))
     args = (settings.patch, settings.batch, settings.train_steps, settings.base_filters,
             settings.levels)

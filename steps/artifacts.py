@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Iterator
 
 from steps import __version__, schemas
-from steps.params import OUTPUTS, OUTPUTS_DIR
+from steps.params import IO, OUTPUTS_DIR
 from steps.errors import StepError
 
 MANIFEST = "MANIFEST.json"
@@ -67,9 +67,10 @@ def write_manifest(root: Path, artifact: str, step: str, parameters: dict[str, A
 
 def write_outputs(out: Path, step: str, values: dict[str, str]) -> None:
     """The step's small results as ``argo-outputs/<name>`` (Argo's output parameters);
-    the names must be exactly the step's ``params.OUTPUTS``."""
-    if sorted(values) != sorted(OUTPUTS[step]):
-        raise ValueError(f"{step} outputs {sorted(values)} are not {sorted(OUTPUTS[step])}")
+    the names must be exactly the step's ``params.IO`` outputs."""
+    names = sorted(IO[step].outputs)
+    if sorted(values) != names:
+        raise ValueError(f"{step} outputs {sorted(values)} are not {names}")
     folder = out / OUTPUTS_DIR
     folder.mkdir()
     for name, text in values.items():

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from steps import uris
+from steps import storage, uris
 from steps.errors import StepError
 
 LATEST = "latest"
@@ -39,7 +39,6 @@ def best_name(epoch: int) -> str:
 
 
 def _storage():
-    from steps import storage
     return storage
 
 

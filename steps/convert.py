@@ -38,6 +38,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import onnx
+import onnxruntime
+import torch
 
 from steps.artifacts import (check_disjoint, manifest_digest, publish, require,
                              write_outputs)
@@ -45,6 +48,8 @@ from steps.dataset import fold_names, open_cases, read_metadata
 from steps.checkpoints import check_state
 from steps.errors import StepError, run_main
 from steps import limits, params, predict, schemas
+from steps.losses import dice_per_class
+from steps.model import ModelConfig, build_model
 
 STEP = "convert"
 CHECKPOINT = "best.pt"
@@ -70,10 +75,6 @@ BOUNDS = {
 def build_parser() -> argparse.ArgumentParser:
     return params.step_parser(
         STEP, __doc__,
-        {"model": "best.pt from steps.train",
-         "dataset": "its validation slices are the parity inputs and its dataset.json the "
-                    "normalisation contract"},
-        {"exported": "ONNX, .pt2, parity figures and model card"},
         epilog="Segment one NIfTI case with the exported ONNX model alone: "
                "python -m steps.convert predict --help")
 
@@ -86,7 +87,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def load_checkpoint(model_dir: Path) -> dict[str, Any]:
     """Verify the `model` artifact and return its ``best.pt`` dict (tensors on CPU)."""
-    import torch
 
     require(model_dir, "model")
     path = model_dir / CHECKPOINT
@@ -108,7 +108,6 @@ def inference_network(ckpt: dict[str, Any], path: Path):
     The weights are first checked against the network that ``model_config`` describes (deep
     supervision heads included), then loaded without those heads, which inference never uses.
     """
-    from steps.model import ModelConfig, build_model
 
     config = ModelConfig.from_dict(ckpt["model_config"])
     state = ckpt["model_state"]
@@ -191,7 +190,6 @@ def parity_inputs(dataset_dir: Path, meta: dict[str, Any], fold: int, n: int,
 # ------------------------------------------------------------------------------ export
 
 def _dynamic_shapes(multiple: int):
-    import torch
 
     batch = torch.export.Dim("N", min=1, max=4096)
     h = torch.export.Dim("H_blocks", min=1, max=MAX_SIDE // multiple)
@@ -202,7 +200,6 @@ def _dynamic_shapes(multiple: int):
 def export_program(net, in_channels: int, multiple: int):
     """(program, example input): ``torch.export`` of the inference network; N, H and W are
     dynamic, H and W multiples of ``multiple``."""
-    import torch
 
     example = torch.randn(2, in_channels, 2 * multiple, 2 * multiple)
     with torch.no_grad():
@@ -244,8 +241,6 @@ def _rename_dims(model, names: dict[str, str]) -> None:
 
 def write_onnx(program, example, path: Path, opset: int, metadata: dict[str, str]) -> int:
     """Export ``program`` to ``path``, name its dims, add metadata; return the opset it has."""
-    import onnx
-    import torch
 
     with _quiet_exporter():
         torch.onnx.export(program, (example,), str(path), **_onnx_export_kwargs(opset))
@@ -265,7 +260,6 @@ def write_onnx(program, example, path: Path, opset: int, metadata: dict[str, str
 
 def run_torch(net, groups: list[SliceGroup]) -> list[np.ndarray]:
     """Logits (k, C_out, H, W) per group from the eager network."""
-    import torch
 
     outputs = []
     with torch.inference_mode():
@@ -319,8 +313,6 @@ def run_pt2_clean(path: Path, groups: list[SliceGroup]) -> list[np.ndarray]:
 
 def _dice(logits: list[np.ndarray], groups: list[SliceGroup], n_classes: int) -> list[float]:
     """Per-class Dice (classes 1..) of the argmax against the labels, over all parity slices."""
-    import torch
-    from steps.losses import dice_per_class
 
     pred = np.concatenate([x.argmax(axis=1).ravel() for x in logits])
     truth = np.concatenate([g.label.ravel() for g in groups])
@@ -382,9 +374,6 @@ def check_bounds(figures: dict[str, Any], what: str) -> None:
 # ------------------------------------------------------------------------ model card
 
 def _versions(opset: int, requested: int) -> dict[str, Any]:
-    import onnx
-    import onnxruntime
-    import torch
 
     return {"torch": torch.__version__, "onnx": onnx.__version__,
             "onnxruntime": onnxruntime.__version__, "python": platform.python_version(),
@@ -510,7 +499,6 @@ def read_inputs(args: argparse.Namespace) -> Inputs:
 
 def export_all(out: Path, inputs: Inputs, requested: int) -> int:
     """Write the .pt2 and the .onnx into ``out``; return the ONNX opset produced."""
-    import torch
 
     config = inputs.config
     print("convert: torch.export ...", file=sys.stderr)
@@ -557,7 +545,6 @@ def write_results(out: Path, inputs: Inputs, parity: dict[str, Any], versions: d
 def check_opset(requested: int) -> None:
     """An opset newer than the installed onnx knows cannot be produced: refused before any
     work rather than published as an older one."""
-    import onnx
 
     newest = onnx.defs.onnx_opset_version()
     if requested > newest:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from steps import schemas
 from steps.artifacts import inside, require
@@ -152,7 +153,6 @@ def open_cases(dataset_dir: Path | str, meta: dict[str, Any],
 def check_values(cases: list[Case], n_classes: int) -> None:
     """Every image voxel finite and every label below ``n_classes``: one read of each case
     (the manifest's hash check has just read the same bytes, so they are in the page cache)."""
-    import torch
 
     for case in cases:
         image = torch_view(case.image)
@@ -170,7 +170,6 @@ def torch_view(array: np.ndarray):
     """``array`` as a torch tensor on the same memory, read-only buffers (memory maps,
     decompressed bytes) included: callers only read those. Torch's element-wise copies are
     vectorised where numpy's are not (float32 ↔ float16 about 10× faster)."""
-    import torch
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)     # "not writable"

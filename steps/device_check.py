@@ -34,6 +34,10 @@ from typing import Any, Sequence
 from steps import params
 from steps.errors import OneLineArgumentParser, run_main
 
+# torch, Habana's bridge and the training modules are imported inside the functions that
+# run in a worker process: the bridge fixes its execution mode when it is imported, so the
+# parent, which starts one worker per mode, must never import them.
+
 MARK = "device_check_result="
 PARITY_STEPS = 5
 MODES = {"hpu": params.HPU_MODES[:2], "cuda": ("eager", "compile"), "cpu": ("eager",)}

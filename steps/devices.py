@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from steps import limits
 from steps.errors import StepError
@@ -187,7 +189,6 @@ def load_backend(info: DeviceInfo) -> str:
 
 def init_distributed(info: DeviceInfo) -> None:
     """Join the process group started by ``torch.distributed.run`` (env:// rendezvous)."""
-    import torch.distributed as dist
 
     load_backend(info)
     kwargs: dict[str, Any] = {}
@@ -198,7 +199,6 @@ def init_distributed(info: DeviceInfo) -> None:
 
 def wrap_ddp(model: torch.nn.Module, info: DeviceInfo) -> torch.nn.Module:
     """DDP with the anchors' HPU settings (bucket 125 MB, grads as bucket views, static graph)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     if info.kind == "hpu":
         return DDP(model, bucket_cap_mb=125, gradient_as_bucket_view=True, static_graph=True)

@@ -49,14 +49,15 @@ from urllib.request import Request, urlopen
 
 from tqdm import tqdm
 
-from steps import __version__, limits, schemas, uris
+from steps import __version__, limits, schemas, storage, uris
 from steps.artifacts import check_disjoint, clean_relative, publish, sha256_file
 from steps.errors import OneLineArgumentParser, StepError, run_main
+from steps.params import IO, add_artifacts
 from steps.synthetic import MIN_SHAPE, TASK, write_msd_task
 from steps.uris import redact
 
-ARTIFACT = "raw"
 STEP = "download"
+ARTIFACT = IO[STEP].writes
 DATASET_JSON = "dataset.json"
 # MONAI's DecathlonDataset md5 of the published tarball.
 PUBLISHED_MD5 = {"Task01_BrainTumour.tar": "240a19d752f0d9e9101544901065d872"}
@@ -220,7 +221,6 @@ def s3_download(uri: str, dest: Path, progress: bool = True) -> Path:
     storage reads the public MSD buckets unsigned from AWS in their own region, and every
     other bucket signed from the configured endpoint.
     """
-    from steps import storage
     storage.download_file(uri, dest, resume=True, progress=progress, limit="max_download_bytes")
     return dest
 
@@ -630,8 +630,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(
         prog="python -m steps.download",
         description="Fetch MSD Task01_BrainTumour (or generate a synthetic stand-in) and "
-                    "publish it as the 'raw' artifact: Task01_BrainTumour/{dataset.json, "
-                    "imagesTr/, labelsTr/, imagesTs/} plus MANIFEST.json.")
+                    f"publish it as the '{ARTIFACT}' artifact.")
     parser.add_argument(
         "--source", required=True, metavar="URI",
         help="where the data comes from: s3://msd-for-monai/Task01_BrainTumour.tar or "
@@ -641,9 +640,7 @@ def _parser() -> argparse.ArgumentParser:
              ".tar/.tar.gz or to an extracted task directory (or its parent); "
              "synthetic://?cases=N&shape=HxWxD&seed=S&test=M for generated BraTS-like cases "
              f"(defaults: {'&'.join(f'{k}={v}' for k, v in SYNTHETIC_DEFAULTS.items())})")
-    parser.add_argument(
-        "--raw", required=True, metavar="DIR",
-        help="output directory of the 'raw' artifact; must be empty or absent")
+    add_artifacts(parser, STEP)
     parser.add_argument(
         "--md5", default="auto", metavar="HEX",
         help="expected md5 of the downloaded archive, checked before extraction. 'auto' "

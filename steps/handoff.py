@@ -23,6 +23,7 @@ from typing import Sequence
 
 from steps.artifacts import require
 from steps.errors import MAX_LINE, OneLineArgumentParser, StepError, run_main
+from steps.storage import download_dir, put_bytes, upload_dir
 
 REFUSAL = "INPUT_ERROR"
 
@@ -42,17 +43,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                             place, "the artifact directory"))
     args = parser.parse_args(argv)
     if args.action == "refuse":
-        from steps.storage import put_bytes
         line = Path(args.error_file).read_text(encoding="utf-8").strip()
         put_bytes(line.encode() + b"\n", f"{args.uri.rstrip('/')}/{REFUSAL}")
         print(f"{args.artifact}: refused: {line}", file=sys.stderr)
         return 0
     if args.action == "fetch":
-        from steps.storage import download_dir
         download_dir(args.uri, args.directory, artifact=args.artifact)
     elif args.action == "push":
         require(args.directory, args.artifact)
-        from steps.storage import upload_dir
         upload_dir(args.directory, args.uri)
     refusal = Path(args.directory, REFUSAL)
     if refusal.is_file():  # the job's verdict on its input, in the step's own words

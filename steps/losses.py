@@ -17,6 +17,7 @@ absent from both target and prediction scores 1, absent from the target only 0.
 from __future__ import annotations
 
 import torch
+from monai.losses import DiceCELoss
 
 
 class DeepSupervisionLoss(torch.nn.Module):
@@ -24,7 +25,6 @@ class DeepSupervisionLoss(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        from monai.losses import DiceCELoss
 
         self.dice_ce = DiceCELoss(include_background=False, to_onehot_y=True, softmax=True,
                                   batch=True)

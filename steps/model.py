@@ -66,6 +66,7 @@ def _norm_name(norm: str):
 
 def build_model(config: ModelConfig, deep_supervision: bool | None = None):
     """Return the DynUNet for ``config`` (``deep_supervision`` overrides the config's flag)."""
+    # Lazy: the compiler reads this module's constants (steps.params) without monai or torch.
     from monai.networks.nets import DynUNet
 
     supervised = config.deep_supervision if deep_supervision is None else deep_supervision

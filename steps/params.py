@@ -1,4 +1,5 @@
-"""Every step parameter, stated once: name, type, default, bounds and help.
+"""Every step parameter, stated once: name, type, default, bounds and help; and every step's
+artifacts and output parameters (:data:`IO`).
 
 A step's command line (:func:`add_arguments`), the pipeline config's section of the same
 name (``workflows.config``), the Argo templates' inputs and the workflow parameters with
@@ -14,7 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -215,37 +216,79 @@ QUANTIZE = (
 STEPS = {"download": DOWNLOAD, "preprocess": PREPROCESS, "train": TRAIN, "convert": CONVERT,
          "quantize": QUANTIZE}
 
-# Small results a step writes as OUTPUTS_DIR/<name> for Argo output parameters.
-OUTPUTS = {
-    "train": ("mean_dice", "best_epoch", "img_per_s"),
-    "convert": ("max_abs_diff", "argmax_agreement"),
-    "quantize": ("int8_mean_dice", "int8_speedup"),
+
+@dataclass(frozen=True)
+class StepIO:
+    """A step's artifacts and output parameters, as a Kubeflow component's signature states
+    them. The step's ``--<artifact> DIR`` flags, its Argo template's artifacts, arguments and
+    output parameters, and the DAG's wiring (each input from the step that writes it) are
+    derived from this; a new artifact or result is one entry here."""
+    reads: dict[str, str]                  # input artifact -> what the step takes from it
+    writes: str                            # its one output artifact (a key of ARTIFACTS)
+    outputs: tuple[str, ...] = ()          # small results, <writes>/OUTPUTS_DIR/<name>
+    files: dict[str, str] = field(default_factory=dict)   # artifact name -> a file of writes
+    release: str | None = None             # also stored at models/<model>/<workflow><release>
+
+
+# What each artifact holds (the writer's flag help); the readers say what they take from it.
+ARTIFACTS = {
+    "raw": "Task01_BrainTumour/{dataset.json, imagesTr/, labelsTr/, imagesTs/} plus "
+           "MANIFEST.json",
+    "dataset": "(C, D, H, W) image and (D, H, W) label .npy per case, dataset.json with "
+               "spacing, statistics and the fold split (up to 5 folds)",
+    "model": "checkpoints, metrics and the training report",
+    "exported": "ONNX, .pt2, parity figures and model card",
+    "quantized": "the INT8 model, its figures and model card",
 }
+
+IO = {
+    "download": StepIO(reads={}, writes="raw"),
+    "preprocess": StepIO(
+        reads={"raw": "MANIFEST.json and Task01_BrainTumour/ or one other task directory "
+                      "with a dataset.json"},
+        writes="dataset"),
+    "train": StepIO(
+        reads={"dataset": "the preprocessed cases and their folds"}, writes="model",
+        outputs=("mean_dice", "best_epoch", "img_per_s"), files={"report": "report.html"}),
+    "convert": StepIO(
+        reads={"model": "best.pt from steps.train",
+               "dataset": "its validation slices are the parity inputs and its dataset.json "
+                          "the normalisation contract"},
+        writes="exported", outputs=("max_abs_diff", "argmax_agreement"), release=""),
+    "quantize": StepIO(
+        reads={"exported": "unet2d.onnx and its model card from steps.convert",
+               "dataset": "training-fold slices calibrate, validation volumes gate"},
+        writes="quantized", outputs=("int8_mean_dice", "int8_speedup"), release="/int8"),
+}
+
+
+def writer(artifact: str) -> str:
+    """The step whose output ``artifact`` is."""
+    return next(step for step, io in IO.items() if io.writes == artifact)
 
 
 def by_name(params: Iterable[Param]) -> dict[str, Param]:
     return {p.name: p for p in params}
 
 
-def step_parser(step: str, doc: str, reads: dict[str, str], writes: dict[str, str],
-                epilog: str | None = None) -> argparse.ArgumentParser:
-    """A step's command line: its artifact directories, then its parameters from STEPS."""
+def step_parser(step: str, doc: str, epilog: str | None = None) -> argparse.ArgumentParser:
+    """A step's command line: its artifact directories from IO, then its parameters."""
     parser = OneLineArgumentParser(prog=f"python -m steps.{step}",
                                    description=doc.split("\n\n")[0], epilog=epilog)
-    add_artifacts(parser, reads, writes)
+    add_artifacts(parser, step)
     add_arguments(parser, STEPS[step])
     return parser
 
 
-def add_artifacts(parser: argparse.ArgumentParser, reads: dict[str, str],
-                  writes: dict[str, str]) -> None:
-    """``--<name> DIR`` for each input and output artifact, with what it holds."""
-    for name, what in reads.items():
+def add_artifacts(parser: argparse.ArgumentParser, step: str) -> None:
+    """``--<name> DIR`` for each input and the output artifact, with what it holds."""
+    io = IO[step]
+    for name, what in io.reads.items():
         parser.add_argument(f"--{name}", required=True, type=Path, metavar="DIR",
                             help=f"input `{name}` artifact directory: {what}")
-    for name, what in writes.items():
-        parser.add_argument(f"--{name}", required=True, type=Path, metavar="DIR",
-                            help=f"output `{name}` artifact directory (absent or empty): {what}")
+    parser.add_argument(f"--{io.writes}", required=True, type=Path, metavar="DIR",
+                        help=f"output `{io.writes}` artifact directory (absent or empty): "
+                             f"{ARTIFACTS[io.writes]}")
 
 
 def add_arguments(parser: argparse.ArgumentParser | Any, params: Iterable[Param]) -> None:

@@ -19,11 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import nibabel as nib
 import numpy as np
+import onnxruntime as ort
+from nibabel.orientations import apply_orientation, io_orientation, ornt_transform
 
-from steps import limits, schemas
+from steps import limits, nifti, schemas
 from steps.artifacts import check_disjoint
 from steps.errors import OneLineArgumentParser, StepError, run_main
+from steps.preprocess import (channel_stats, foreground_box, image_channels_last, reorient,
+                              zscore)
 
 INPUT_NAME = "image"
 OUTPUT_NAME = "logits"
@@ -54,7 +59,6 @@ def pad_to_multiple(x: np.ndarray, multiple: int, fill: np.ndarray) -> np.ndarra
 
 def open_session(path: Path | str):
     """onnxruntime session on the CPU execution provider; a bad file is a StepError."""
-    import onnxruntime as ort
 
     path = Path(path)
     if not path.is_file():
@@ -119,10 +123,6 @@ class Prepared:
 
 def prepare(path: Path | str, contract: dict[str, Any]) -> Prepared:
     """Read ``path`` and apply the dataset's preprocessing (steps.preprocess functions)."""
-    from steps import nifti
-    from steps.preprocess import (channel_stats, foreground_box, image_channels_last,
-                                  reorient, zscore)
-
     volume = nifti.load(path)
     mode = contract.get("mode", "default")
     channels = contract["channels"]
@@ -166,7 +166,6 @@ def segment(session, image: np.ndarray, multiple: int, n_classes: int,
 
 def restore(labels: np.ndarray, prepared: Prepared, mode: str) -> np.ndarray:
     """(x, y, z) uint8 label in the source voxel grid: uncrop, untranspose, unreorient."""
-    from nibabel.orientations import apply_orientation, io_orientation, ornt_transform
 
     full = np.zeros(prepared.grid, dtype=np.uint8)
     (d0, d1), (h0, h1), (w0, w1) = prepared.box
@@ -180,7 +179,6 @@ def restore(labels: np.ndarray, prepared: Prepared, mode: str) -> np.ndarray:
 
 
 def write_label(labels: np.ndarray, affine: np.ndarray, path: Path) -> None:
-    import nibabel as nib
 
     image = nib.Nifti1Image(labels, affine)
     image.set_data_dtype(np.uint8)

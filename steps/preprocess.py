@@ -448,12 +448,7 @@ def parse_patch(text: str) -> tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return params.step_parser(
-        "preprocess", __doc__,
-        {"raw": "MANIFEST.json and Task01_BrainTumour/ or one other task directory with a "
-                "dataset.json"},
-        {"dataset": "(C, D, H, W) image and (D, H, W) label .npy per case, dataset.json with "
-                    "spacing, statistics and the fold split (up to 5 folds)"})
+    return params.step_parser("preprocess", __doc__)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -39,11 +39,18 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import onnx
+import torch
+from onnxruntime.quantization import (CalibrationMethod, QuantFormat, QuantType,
+                                      quantize_static)
+from onnxruntime.quantization.shape_inference import quant_pre_process
 
 from steps import limits, params, predict, schemas
 from steps.artifacts import check_disjoint, publish, require, write_outputs
 from steps.dataset import Case, fold_names, open_cases, read_metadata
 from steps.errors import StepError, run_main
+from steps.losses import dice_per_class
+from steps.sampler import pad_crop_2d
 
 STEP = "quantize"
 FP32_FILE = "unet2d.onnx"
@@ -61,11 +68,7 @@ GATE = {"max_mean_dice_drop": 0.5,        # points of Dice (x100)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return params.step_parser(
-        STEP, __doc__,
-        {"exported": "unet2d.onnx and its model card from steps.convert",
-         "dataset": "training-fold slices calibrate, validation volumes gate"},
-        {"quantized": "the INT8 model, its figures and model card"})
+    return params.step_parser(STEP, __doc__)
 
 
 # ------------------------------------------------------------------------- calibration
@@ -87,8 +90,6 @@ def _centred(extent: int, size: int) -> int:
 
 def patch_window(image: np.ndarray, patch: tuple[int, int]) -> np.ndarray:
     """(C, H, W) centre-cropped, then padded with the background fill, to ``patch``."""
-    import torch
-    from steps.sampler import pad_crop_2d
 
     fill = torch.from_numpy(predict.background_fill(image[:, None])).view(-1, 1, 1)
     out = torch.empty((image.shape[0], *patch), dtype=torch.float32)
@@ -142,10 +143,6 @@ def end_convolutions(model) -> list[str]:
 def quantize(fp32: Path, out: Path, calibration: Calibration, method: str,
              float_layers: str) -> list[str]:
     """Write the QDQ INT8 model; return the node names kept in floating point."""
-    import onnx
-    from onnxruntime.quantization import (CalibrationMethod, QuantFormat, QuantType,
-                                          quantize_static)
-    from onnxruntime.quantization.shape_inference import quant_pre_process
 
     model = onnx.load(str(fp32))
     keep = end_convolutions(model) if float_layers == "first-last" else []
@@ -188,8 +185,6 @@ def gate(sessions: dict[str, Any], cases: list[Case], multiple: int,
     """Each model's Dice against the labels, per case and overall, and each candidate's
     agreement with ``sessions["fp32"]``; the segmentation time of each model, summed over
     two rounds in alternating order."""
-    import torch
-    from steps.losses import dice_per_class
 
     names = list(sessions)
     dice = {name: np.zeros(n_classes - 1) for name in names}
@@ -274,7 +269,7 @@ def openvino_ir(fp32: Path, out: Path, calibration: Calibration, keep: list[str]
     """NNCF's INT8 OpenVINO IR of the FP32 model, from the same calibration slices and with
     the same convolutions kept float; (compiled model, versions), or None without
     openvino and nncf."""
-    try:
+    try:  # optional (extra `openvino`): without them only the onnxruntime model is published
         import nncf
         import openvino as ov
     except ImportError:

@@ -18,6 +18,7 @@ _COLOURS = np.array([[0, 0, 0, 0], [1.0, 0.85, 0.1, 0.5], [0.1, 0.6, 1.0, 0.6],
 
 
 def _pyplot():
+    # Lazy: the Agg backend must be chosen before pyplot is first imported.
     import matplotlib
 
     matplotlib.use("Agg")

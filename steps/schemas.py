@@ -139,6 +139,7 @@ Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
 
 def _tensor(value: Any) -> Any:
+    # Lazy: download and storage read metadata through this module without torch installed.
     import torch
 
     if not isinstance(value, torch.Tensor):

@@ -33,6 +33,7 @@ from boto3.s3.transfer import TransferConfig, create_transfer_manager
 from botocore import UNSIGNED
 from botocore.config import Config
 from botocore.utils import determine_content_length
+from s3transfer.subscribers import BaseSubscriber
 from tqdm import tqdm
 
 from steps import limits, schemas, uris
@@ -40,7 +41,15 @@ from steps.artifacts import MANIFEST, list_files, require
 from steps.errors import StepError
 
 MiB = 1 << 20
+# The S3 literals every other module takes from here (the config's defaults, the emulator,
+# the lint's secret scan).
+DEFAULT_BUCKET = "unet-artifacts"   # artifacts, checkpoints/<workflow>/, models/<model>/
 DEFAULT_REGION = "us-east-1"
+ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")   # the first one set wins
+KEY_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+CREDENTIAL_VARS = KEY_VARS + ("AWS_SESSION_TOKEN",)
+CONNECTION_VARS = ENDPOINT_VARS + CREDENTIAL_VARS + ("AWS_REGION", "AWS_DEFAULT_REGION",
+                                                     "AWS_PROFILE", "AWS_DEFAULT_PROFILE")
 DEFAULT_PART_MB = 64
 DEFAULT_CONCURRENCY = 4
 # Public buckets that hold MSD on AWS; read unsigned from AWS whatever endpoint is configured.
@@ -89,7 +98,7 @@ def transfer_config(part_size: int | None = None, concurrency: int | None = None
 
 def configured_endpoint() -> str | None:
     """The endpoint from the environment, or None for AWS itself."""
-    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+    for name in ENDPOINT_VARS:
         value = os.environ.get(name, "").strip()
         if value:
             uris.refuse_credentials(value, name, "set AWS_ACCESS_KEY_ID and "
@@ -394,7 +403,6 @@ def _run_transfers(s3, uri: str, action: str, jobs: list[tuple[str, str, int]],
     skips s3transfer's HEAD request; for a directory of small files that halves the
     requests. The ETag still guards the read (s3transfer sends it as If-Match).
     """
-    from s3transfer.subscribers import BaseSubscriber
 
     bucket, _ = parse_uri(uri)
     listed = listed or {}

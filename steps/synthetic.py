@@ -24,13 +24,16 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import tarfile
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import nibabel as nib
 import numpy as np
+from tqdm import tqdm
 
 TASK = "Task01_BrainTumour"
 MODALITIES = {"0": "FLAIR", "1": "T1w", "2": "t1gd", "3": "T2w"}
@@ -291,7 +294,6 @@ def write_msd_task(root: Path | str, cases: int, shape: Sequence[int] = FULL_SHA
 
 
 def _progress(total: int, enabled: bool):
-    from tqdm import tqdm
     return tqdm(total=total, desc="synthetic cases", unit="case", disable=not enabled)
 
 
@@ -304,8 +306,6 @@ def write_msd_tar(path: Path | str, cases: int, shape: Sequence[int] = (48, 48, 
     carries. Members are sorted with fixed owner and mtime, so the bytes depend only on the
     arguments. ``workdir`` (default: next to ``path``) holds the generated files meanwhile.
     """
-    import shutil
-    import tempfile
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(dir=workdir or path.parent, prefix=".synthetic-"))

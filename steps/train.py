@@ -37,6 +37,8 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
 from steps import devices, limits, params, schemas, uris
 from steps.artifacts import check_disjoint, manifest_digest, publish, write_outputs
@@ -44,6 +46,10 @@ from steps.checkpoints import (CheckpointStore, best_name, check_finite, check_s
                                serialize)
 from steps.dataset import check_values, fold_names, open_cases, read_metadata
 from steps.errors import StepError, run_main
+from steps.losses import DeepSupervisionLoss, dice_per_class
+from steps.model import ModelConfig, build_model
+from steps.report import write_report
+from steps.sampler import SliceSampler, StepDataset, augment, torch_seed
 
 STEP = "train"
 MODEL_FORMAT_VERSION = 1
@@ -67,8 +73,7 @@ except SignalException as stop:
 
 def build_parser() -> argparse.ArgumentParser:
     """The artifact flags and every parameter of ``steps.params.TRAIN``, then the wiring."""
-    p = params.step_parser(STEP, __doc__, {"dataset": "the preprocessed cases and their folds"},
-                           {"model": "checkpoints, metrics and the training report"})
+    p = params.step_parser(STEP, __doc__)
     p.add_argument("--nodes", type=int, default=1,
                    help="nodes of a multi-node job, each started by torch.distributed.run "
                         "(a PyTorchJob); WORLD_SIZE must be nodes x devices (default: 1)")
@@ -117,7 +122,6 @@ class Plan:
 
 
 def model_config_for(args: argparse.Namespace, meta: dict[str, Any]):
-    from steps.model import ModelConfig
 
     config = ModelConfig(in_channels=len(meta["channels"]), out_channels=len(meta["labels"]),
                          base_filters=args.base_filters, levels=args.levels, norm=args.norm,
@@ -159,7 +163,6 @@ def check_resumable(state: dict[str, Any], config, args: argparse.Namespace,
     """A checkpoint this run can continue: its schema, the same network with weights of
     the right shapes, and the same fold (another fold's training cases are validation
     cases here)."""
-    from steps.model import build_model
 
     where = f"checkpoint at {uri}"
     schemas.validate(schemas.HasNetwork, state, where)   # another network is named as such
@@ -337,8 +340,6 @@ def evaluate(forward, cases, info, batch: int, multiple: int, n_classes: int,
 
     Returns (n_classes - 1,) float64 Dice and, on rank 0, a few overlay samples.
     """
-    import torch.distributed as dist
-    from steps.losses import dice_per_class
 
     totals = torch.zeros(n_classes, dtype=torch.float64)  # per-class sums, then count
     samples = []
@@ -381,7 +382,6 @@ def device_batch(images: torch.Tensor, labels: torch.Tensor, info: devices.Devic
     flushed as a graph of its own, so the model's graph stays one shape step after step.
     On an HPU the labels are augmented as int32 (Gaudi's int64 support is limited, its
     best-practice guide says) and widened once for the loss."""
-    from steps.sampler import augment
 
     on_device = devices.host_to_device(labels, info.device,
                                        torch.int32 if info.kind == "hpu" else None)
@@ -447,9 +447,6 @@ class Trainer:
     """Holds the device, model, optimizer and checkpoint store of one process."""
 
     def __init__(self, plan: Plan, rank: int, world: int, local_rank: int):
-        from steps.losses import DeepSupervisionLoss
-        from steps.model import build_model
-        from steps.sampler import SliceSampler
 
         args = self.args = plan.args
         self.plan, self.rank, self.world = plan, rank, world
@@ -533,7 +530,6 @@ class Trainer:
     def _loader(self, first_step: int, n_steps: int):
         """Batches of steps ``first_step`` onwards: one loader for the rest of the run, so
         its workers start once and keep building batches while validation runs."""
-        from steps.sampler import StepDataset
 
         dataset = StepDataset(self.sampler, first_step, n_steps, self.rank)
         workers = loader_workers(self.args.num_workers)
@@ -547,8 +543,6 @@ class Trainer:
 
     def run_epoch(self) -> dict[str, Any]:
         """Train to the end of the current epoch (from mid-epoch after a resume)."""
-        from tqdm import tqdm
-        from steps.sampler import torch_seed
 
         args, info, p = self.args, self.info, self.progress
         done = p.step - p.epoch * self.steps_per_epoch
@@ -583,7 +577,6 @@ class Trainer:
         bar.close()
         p.epoch_loss += float(loss_sum)
         if self.world > 1:
-            import torch.distributed as dist
             total = torch.tensor([p.epoch_loss], dtype=torch.float64,
                                  device=info.device if info.backend != "gloo" else "cpu")
             dist.all_reduce(total)
@@ -648,7 +641,6 @@ class Trainer:
 
 def write_model(plan: Plan, trainer: Trainer, samples: list[dict[str, Any]]) -> None:
     """Publish the ``model`` artifact (rank 0)."""
-    from steps.report import write_report
 
     p = trainer.progress
     history = p.history
@@ -683,7 +675,6 @@ def train(plan: Plan) -> int:
             write_model(plan, trainer, samples)
     finally:
         if world > 1:
-            import torch.distributed as dist
             if dist.is_initialized():
                 dist.destroy_process_group()
     return 0

@@ -22,7 +22,7 @@ import yaml
 
 from workflows.argo import ArgoServer
 from workflows.config import load_config
-from workflows.local import pods
+from emulator import pods
 from workflows.s3server import SeaweedServer, find_weed
 from workflows.unet import build
 

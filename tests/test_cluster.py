@@ -15,7 +15,7 @@ built cluster, root, podman or the image these tests skip with the reason; CI se
 4. each scenario also runs on the emulator (``run --local``, the same compiled Workflow and
    the same workflow name), and the two agree on node phases, attempts, exit codes, output
    parameters and artifact keys. What differs on purpose is listed in the emulator's own
-   docs (workflows/local/__init__.py, "Checked against Argo Workflows v4.0.5").
+   docs (emulator/__init__.py, "Checked against Argo Workflows v4.0.5").
 5. per-step pod start, Argo's artifact moves and the step's own time on the real controller,
    beside the emulator's overhead (benchmarks/orchestration.py ``argo_breakdown``).
 
@@ -39,8 +39,8 @@ import yaml
 from benchmarks import orchestration
 from benchmarks.common import machine
 from workflows.argo import ArgoServer
-from workflows.local.dag import pod_name
-from workflows.local.runner import run_workflow
+from emulator.dag import pod_name
+from emulator.runner import run_workflow
 from workflows.s3server import SeaweedServer
 
 from real_cluster import (BUCKET, CFG, CONTROLLER_NAMESPACE, IMAGE, NAMESPACE, PROFILE, REPO,
@@ -165,7 +165,7 @@ def emulator_nodes(result) -> dict[str, dict]:
 
 # Output parameters whose values depend on the machine, not the wiring: compared by name only.
 _MEASURED = {"img-per-s", "max-abs-diff"}
-# Left out on purpose (workflows/local/__init__.py): Argo's `main-logs` artifact (see
+# Left out on purpose (emulator/__init__.py): Argo's `main-logs` artifact (see
 # artifact_keys) and messages, whose wording differs.
 
 

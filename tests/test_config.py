@@ -1,6 +1,7 @@
 """The config model: profiles, overrides, and one-line errors that name the key."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from workflows.config import DEFAULT_CONFIG, ConfigError, load_config
+from steps.storage import DEFAULT_BUCKET, DEFAULT_REGION
+from workflows.config import DEFAULT_CONFIG, Config, ConfigError, load_config, with_defaults
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILES = ("fp32_8hpu_training", "bf16_8hpu_training", "cuda_1gpu", "cpu_quick", "local")
@@ -115,6 +117,62 @@ def test_bad_profile_in_file_is_named(tmp_path):
         load_config(path)
 
 
+def _leaves(node, path=()):
+    """(key path, value) of every leaf; an empty mapping is a leaf."""
+    if isinstance(node, dict) and node:
+        for key, value in node.items():
+            yield from _leaves(value, path + (key,))
+    else:
+        yield path, node
+
+
+def _at(tree, path):
+    for key in path:
+        if not isinstance(tree, dict) or key not in tree:
+            return "<absent>"
+        tree = tree[key]
+    return tree
+
+
+def test_pipeline_yaml_states_only_departures():
+    """Issue 28: the base states only what differs from the model's defaults (images and the
+    download source have none), and each profile only what differs from what it extends."""
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    required = {"images": raw["images"], "download": {"source": raw["download"]["source"]}}
+    defaults = Config.model_validate(with_defaults(required)).model_dump()
+    base = {k: v for k, v in raw.items() if k not in ("profiles", "local_profile", "images")}
+    restated = [".".join(path) for path, value in _leaves(base)
+                if path != ("download", "source") and value == _at(defaults, path)]
+    for name, body in raw["profiles"].items():
+        parent = load_config(profile=body.get("extends")).model_dump()
+        own = {k: v for k, v in body.items() if k != "extends"}
+        restated += [f"profiles.{name}." + ".".join(path) for path, value in _leaves(own)
+                     if value == _at(parent, path)]
+    assert not restated, f"config/pipeline.yaml restates: {restated}"
+
+
+def test_a_profile_extends_another_and_changes_only_what_it_names():
+    quick, local = load_config(profile="cpu_quick"), load_config(profile="local")
+    assert local.resources == quick.resources and local.train.device == "cpu"
+    assert (local.train.levels, quick.train.levels) == (4, 6)
+    assert local.quantizes and not quick.quantizes
+    # a partial section keeps the defaults of what it leaves out (2Gi, not StepResources' 4Gi)
+    assert load_config(profile="cpu_quick").resources.download.memory == "2Gi"
+
+
+@pytest.mark.parametrize("extends, needle", [
+    ("nope", r"profiles\.a\.extends: names no profile"),
+    ("b", r"profiles\.b\.extends: a cycle through a -> b -> a"),
+])
+def test_a_bad_extends_is_one_line(tmp_path, extends, needle):
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    raw["profiles"] |= {"a": {"extends": extends}, "b": {"extends": "a"}}
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=needle):
+        load_config(path)
+
+
 @pytest.mark.slow
 def test_cli_reports_bad_config_in_one_line_without_traceback():
     proc = subprocess.run([sys.executable, "workflows/unet.py", "render", "-p", "train.fold=7"],
@@ -168,3 +226,28 @@ def test_lint_refuses_what_render_refuses():
         assert proc.returncode == 2 and "storage.models_prefix" in proc.stderr, command
         assert proc.stdout == ""
 
+
+
+# Files read by other tools (compose, the S3 container, Argo's artifact repository) cannot
+# import the one home of the bucket and region (steps.storage); they restate them, equal.
+RESTATED = {
+    ".env.example": [r"^UNET_ARTIFACT_BUCKET=(\S+)", r"^AWS_REGION=(\S+)"],
+    "docker-compose.yml": [r"\$\{UNET_ARTIFACT_BUCKET:-([^}]+)\}", r"\$\{AWS_REGION:-([^}]+)\}"],
+    "containers/seaweedfs/entrypoint.sh": [r"\$\{BUCKET:-([^}]+)\}"],
+    "manifests/base/artifact-repositories.yaml": [r"^\s*region: (\S+)", r"^\s*bucket: (\S+)"],
+    "manifests/overlays/aws-s3/artifact-repository.yaml": [r"^\s*region: (\S+)"],
+    "manifests/overlays/local-minio/artifact-repository.yaml": [r"^\s*region: (\S+)"],
+}
+
+
+def test_files_for_other_tools_restate_the_one_bucket_and_region():
+    found = []
+    for path, patterns in RESTATED.items():
+        text = (REPO / path).read_text()
+        for pattern in patterns:
+            values = re.findall(pattern, text, re.MULTILINE)
+            assert values, f"{path}: {pattern} matches nothing"
+            found += [(path, v) for v in values if v not in (DEFAULT_BUCKET, DEFAULT_REGION)]
+    assert not found, found
+    storage = load_config().storage
+    assert (storage.bucket, storage.region) == (DEFAULT_BUCKET, DEFAULT_REGION)

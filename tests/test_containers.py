@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import yaml
+
+from workflows.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONTAINERS = REPO / "containers"
@@ -117,7 +118,8 @@ def pip_installs(run: str) -> list[list[str]]:
 
 
 def config() -> dict:
-    return yaml.safe_load((REPO / "config" / "pipeline.yaml").read_text())
+    """The pipeline config with its defaults (config/pipeline.yaml states departures only)."""
+    return load_config().model_dump()
 
 
 def torch_untouched_problems(stage: Stage) -> list[str]:

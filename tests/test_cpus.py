@@ -16,7 +16,7 @@ import pytest
 from steps import limits, preprocess, train
 from steps.errors import StepError
 from workflows.config import load_config
-from workflows.local.spec import cpu_field
+from emulator.spec import cpu_field
 from workflows.unet import build
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The local runner (workflows.local) on small hand-written Workflows against a real S3 server.
+"""The local runner (emulator) on small hand-written Workflows against a real S3 server.
 
 Steps are ``python tests/local_runner_step.py <action>`` run by the subprocess executor; the
 S3 is the SeaweedFS fixture. The container executors are in tests/test_pods.py.
@@ -17,12 +17,12 @@ import pytest
 import yaml
 
 from steps import storage
-from workflows.local.errors import LocalRunError
-from workflows.local.dag import pod_name
-from workflows.local.runner import run_workflow, validate_workflow
-from workflows.local.expr import eval_depends, eval_when, substitute
-from workflows.local.dag import fnv1a_32
-from workflows.local.spec import duration_seconds
+from emulator.errors import LocalRunError
+from emulator.dag import pod_name
+from emulator.runner import run_workflow, validate_workflow
+from emulator.expr import eval_depends, eval_when, substitute
+from emulator.dag import fnv1a_32
+from emulator.spec import duration_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP = str(Path(__file__).resolve().parent / "local_runner_step.py")
@@ -340,8 +340,8 @@ def test_embedded_s3_keeps_results_between_runs(tmp_path, s3):
 def test_memo_entries_expire_but_do_not_check_their_artifacts(s3_env):
     """Argo's cache hit is the stored outputs; whether the artifacts still exist is found
     out by the consumer (operator.go), so a hit does not look."""
-    from workflows.local import memo
-    from workflows.local.results import ArtifactRef
+    from emulator import memo
+    from emulator.results import ArtifactRef
     s3 = s3_env
     storage.put_bytes(b"x", f"s3://{s3.bucket}/memo-test/a.txt")
     ref = ArtifactRef("a", s3.bucket, "memo-test/a.txt", "none", "file")

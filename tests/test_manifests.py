@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from workflows.local.spec import cpu_field
+from emulator.spec import cpu_field
+from workflows.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
@@ -30,7 +31,8 @@ needs_kubectl = pytest.mark.skipif(
 
 
 def config() -> dict:
-    return yaml.safe_load((REPO / "config" / "pipeline.yaml").read_text())
+    """The pipeline config with its defaults (config/pipeline.yaml states departures only)."""
+    return load_config().model_dump(exclude_none=True)
 
 
 def kustomize(path: Path) -> list[dict]:
@@ -391,7 +393,6 @@ def _endpoint_host(url: str | None) -> str:
 def test_steps_start_and_reach_the_overlays_s3(overlay, overrides):
     """Issue 13 point 4: on every overlay the step pods start (no Secret the overlay lacks)
     and their checkpoints go to the same S3 as Argo's artifacts (no -p storage.endpoint)."""
-    from workflows.config import load_config
     from workflows.unet import build
     docs = built(overlay)
     doc = build(load_config(None, None, overrides)).to_dict()

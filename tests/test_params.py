@@ -3,13 +3,11 @@ pipeline config and the compiled workflow agree on every name, default, bound an
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
-import yaml
 
 from steps import convert, download, params, preprocess, quantize, train
-from workflows.config import DEFAULT_CONFIG, Config, ConfigError, load_config
+from workflows.config import Config, ConfigError, load_config
 from workflows.unet import build
 
 REQUIRED = {  # the artifact flags each step needs besides its parameters
@@ -165,16 +163,6 @@ def test_the_compiled_workflow_runs_each_step_with_the_configs_values():
             got = getattr(args, p.name)
             assert got == expected, f"{section}.{p.name}: compiled {got!r}, config {expected!r}"
             assert getattr(getattr(cfg, section), p.name) == expected
-
-
-def test_pipeline_yaml_never_restates_a_default():
-    """A default lives in steps/params.py only; the config file names departures from it."""
-    raw = yaml.safe_load(Path(DEFAULT_CONFIG).read_text())
-    for section, spec in params.STEPS.items():
-        for p in spec:
-            if p.name in (raw.get(section) or {}):
-                assert raw[section][p.name] != p.default, \
-                    f"config/pipeline.yaml: {section}.{p.name} restates the default"
 
 
 def test_ui_parameters_carry_the_spec_help_and_choices():

@@ -1,4 +1,4 @@
-"""The container executors (workflows/local/pods.py): each step in its real image, run as its
+"""The container executors (emulator/pods.py): each step in its real image, run as its
 pod runs on a cluster.
 
 The engine arguments are checked without an engine. Everything else runs the real CPU image
@@ -20,9 +20,9 @@ import pytest
 
 from steps import storage
 from workflows.config import load_config
-from workflows.local import pods
-from workflows.local.errors import LocalRunError
-from workflows.local.runner import run_workflow
+from emulator import pods
+from emulator.errors import LocalRunError
+from emulator.runner import run_workflow
 from workflows.unet import build
 
 REPO = Path(__file__).resolve().parents[1]

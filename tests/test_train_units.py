@@ -529,18 +529,18 @@ def test_device_check_fails_on_losses_outside_the_parity_bound(tmp_path):
 def test_hpu_labels_are_augmented_as_int32_and_widened_for_the_loss(monkeypatch):
     """Gaudi's int64 support is limited (Intel Gaudi docs, "Best Practices for Model Training
     on Gaudi": int64 computations and indexes): the augmentation's index_copy_ sees int32."""
-    from steps import sampler
+    from steps import train
     from steps.devices import DeviceInfo
     from steps.train import device_batch
 
     seen = []
-    real = sampler.augment
+    real = train.augment
 
     def spy(images, labels, *args, **kwargs):
         seen.append(labels.dtype)
         return real(images, labels, *args, **kwargs)
 
-    monkeypatch.setattr(sampler, "augment", spy)
+    monkeypatch.setattr(train, "augment", spy)
     images = torch.randn(4, 4, 16, 16)
     labels = torch.randint(0, 4, (4, 16, 16))
     hpu = DeviceInfo(kind="hpu", device=torch.device("cpu"), dtype=None, hpu_mode="compile")

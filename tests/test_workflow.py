@@ -1,6 +1,7 @@
 """The compiled workflow: golden files, Argo's schema, Hera round-trip and project rules."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -9,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from steps import params, quantize
+from steps.artifacts import write_outputs
 from workflows.cli import GOLDEN_FILES
 from workflows.config import load_config
 from workflows.lint import VALIDATOR, lint, project_rules, round_trip, schema
@@ -250,3 +253,46 @@ def test_full_lint_of_profiles():
                     "local"):
         problems, notes = lint(_doc(profile=profile), env={})
         assert problems == [] and notes == [], profile
+
+
+def _with_io(monkeypatch, step, **changes):
+    io = params.IO[step]
+    monkeypatch.setitem(params.IO, step, dataclasses.replace(io, **changes))
+
+
+def test_one_table_entry_reaches_the_parser_the_template_and_the_dag(monkeypatch):
+    """Issue 28: an input artifact and an output parameter added to ``params.IO`` alone."""
+    io = params.IO["quantize"]
+    _with_io(monkeypatch, "quantize", reads={**io.reads, "model": "best.pt, for its card"},
+             outputs=io.outputs + ("int8_bytes",))
+    flags = {a.option_strings[0]: a for a in quantize.build_parser()._actions
+             if a.option_strings}
+    assert flags["--model"].required and "best.pt, for its card" in flags["--model"].help
+    for doc, writer in ((_doc(), "train"), (_doc("resources.train.nodes=2"), "collect-model")):
+        t = _templates(doc)
+        args = t["quantize"]["container"]["args"]
+        assert args[args.index("--model") + 1] == "{{inputs.artifacts.model.path}}"
+        assert {"name": "model", "path": "/data/model"} in t["quantize"]["inputs"]["artifacts"]
+        outs = {p["name"]: p for p in t["quantize"]["outputs"]["parameters"]}
+        assert outs["int8-bytes"]["valueFrom"]["path"] == (
+            "{{outputs.artifacts.quantized.path}}/argo-outputs/int8_bytes")
+        tasks = {x["name"]: x for x in t["pipeline"]["dag"]["tasks"]}
+        froms = {a["name"]: a["from"] for a in tasks["quantize"]["arguments"]["artifacts"]}
+        assert froms["model"] == "{{tasks.%s.outputs.artifacts.model}}" % writer
+        assert tasks["quantize"]["depends"] == "convert"   # train already precedes convert
+    with pytest.raises(ValueError, match="int8_bytes"):
+        write_outputs(Path("/nonexistent"), "quantize", {"int8_mean_dice": "1"})
+
+
+def test_a_step_reading_an_earlier_artifact_waits_for_its_writer(monkeypatch):
+    """The DAG's edges follow the table: convert reading ``raw`` too changes nothing (download
+    precedes train), and train no longer reading ``dataset`` loses its edge to preprocess."""
+    _with_io(monkeypatch, "convert", reads={**params.IO["convert"].reads, "raw": "its md5"})
+    tasks = {x["name"]: x for x in _templates(_doc())["pipeline"]["dag"]["tasks"]}
+    assert tasks["convert"]["depends"] == "train"
+    assert "{{tasks.download.outputs.artifacts.raw}}" in [
+        a["from"] for a in tasks["convert"]["arguments"]["artifacts"]]
+    _with_io(monkeypatch, "train", reads={"raw": "the cases as downloaded"})
+    tasks = {x["name"]: x for x in _templates(_doc())["pipeline"]["dag"]["tasks"]}
+    assert tasks["train"]["depends"] == "download"
+    assert tasks["convert"]["depends"] == "preprocess && train"

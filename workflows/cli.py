@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Sequence
 
 from steps.errors import OneLineArgumentParser, StepError, run_main
+from workflows.argo import ArgoServer
 from workflows.config import DEFAULT_CONFIG, Config, load_config
+from workflows.lint import CHECKS, lint
 from workflows.unet import GOLDEN, build, render
 
 GOLDEN_FILES = {
@@ -102,7 +104,6 @@ def cmd_render(args) -> int:
 def cmd_lint(args) -> int:
     """Each kind: its problems, then ``ok (checks run)`` and ``skipped: ...`` naming every
     check that did not run and why. Under ``--strict`` a skipped check fails."""
-    from workflows.lint import CHECKS, lint
     cfg = _config(args)
     failed = False
     for kind in ("workflow", "template"):
@@ -123,7 +124,6 @@ def _parameters(doc: dict) -> list[str]:
 
 
 def cmd_submit(args) -> int:
-    from workflows.argo import ArgoServer
     cfg = _config(args)
     server = ArgoServer.from_env()
     if args.from_template:
@@ -144,7 +144,6 @@ def cmd_submit(args) -> int:
 
 
 def cmd_publish(args) -> int:
-    from workflows.argo import ArgoServer
     server = ArgoServer.from_env()
     action, body = server.publish_template(build(_config(args), "template").to_dict())
     name = (body.get("metadata") or {}).get("name", "")
@@ -154,7 +153,8 @@ def cmd_publish(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from workflows.local.runner import run_workflow
+    # Only here: compiling, linting and submitting never load the emulator (a test checks).
+    from emulator.runner import run_workflow
     cfg = _config(args)
     result = run_workflow(build(cfg, "workflow").to_dict(), executor=args.executor,
                           output_dir=Path(args.output_dir).resolve(),

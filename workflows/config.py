@@ -21,8 +21,9 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, create_mode
                       field_validator, model_validator)
 from pydantic import AfterValidator
 
-from steps import params, uris
+from steps import params, storage, uris
 from steps.errors import StepError
+from workflows import durations
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "config" / "pipeline.yaml"
@@ -30,7 +31,6 @@ STAGES = ("download", "preprocess", "train", "convert")
 OPTIONAL_STAGES = ("quantize",)   # after convert; on the UI form as the 'quantize' parameter
 _QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
 _DURATION = r"^[0-9]+(s|m|h)$"
-_UNITS_S = {"s": 1, "m": 60, "h": 3600}
 _NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # Config values reach the compiled YAML as data. Each kind has its own rule (the names of
 # S3, Kubernetes and the OCI distribution spec), and no value at all may hold an Argo
@@ -100,11 +100,11 @@ class Images(_Strict):
 class Storage(_Strict):
     artifact_repository_configmap: str = Field("artifact-repositories", pattern=_NAME)
     artifact_repository_key: str = Field("default-v1", pattern=_DATA_KEY)
-    bucket: str = Field("unet-artifacts", pattern=_BUCKET)
+    bucket: str = Field(storage.DEFAULT_BUCKET, pattern=_BUCKET)
     endpoint: str = Field("", pattern=r"^(https?://[A-Za-z0-9.-]+(:[0-9]+)?/?)?$",
                           description="S3 endpoint for the checkpoint store; empty: the "
                                       "settings ConfigMap's, else AWS")
-    region: str = Field("us-east-1", pattern=_REGION)
+    region: str = Field(storage.DEFAULT_REGION, pattern=_REGION)
     settings_configmap: str = Field("unet-storage", pattern=_NAME,
                                     description="ConfigMap (made by the overlay) whose key "
                                                 "'endpoint' is the cluster's S3 endpoint")
@@ -207,8 +207,8 @@ class Toleration(_Strict):
 
 
 def seconds(duration: str) -> int:
-    """``90s``, ``30m``, ``72h`` (the config's duration form) in seconds."""
-    return int(duration[:-1]) * _UNITS_S[duration[-1]]
+    """``90s``, ``30m``, ``72h`` (the config's duration form) in whole seconds."""
+    return int(durations.seconds(duration))
 
 
 class StepResources(_Strict):
@@ -276,6 +276,7 @@ class Config(_Strict):
         return self.resources.train.accelerator
 
 
+EXTENDS = "extends"   # a profile's key: the profile whose changes it starts from
 SECTIONS = ("pipeline", "images", "storage", "memoize", "retry", "download", "preprocess",
             "train", "convert", "quantize", "resources")
 
@@ -392,28 +393,56 @@ def load_config(path: str | Path | None = None, profile: str | None = None,
     if name:
         if name not in profiles:
             raise ConfigError(f"profile '{name}': unknown (known: {', '.join(sorted(profiles))})")
-        raw = _merge(raw, profiles[name])
+        raw = _merge(raw, profile_body(profiles, name, source))
     raw["profile"] = name or ""
     for item in overrides:
         raw = apply_override(raw, item)
     try:
-        config = Config.model_validate(raw)
+        config = Config.model_validate(with_defaults(raw))
     except ValidationError as exc:
         raise _one_line(exc, source) from None
     _check_consistency(config, source)
     return config
 
 
+def with_defaults(raw: dict) -> dict:
+    """``raw`` laid over each section's defaults, so that a partial mapping (a profile's
+    ``resources.download: {timeout: 30m}``) changes only the keys it names; pydantic alone
+    would build ``resources.download`` from the mapping and StepResources' own defaults."""
+    out = dict(raw)
+    for name, field in Config.model_fields.items():
+        if isinstance(field.default, BaseModel) and isinstance(raw.get(name), dict):
+            out[name] = _merge(field.default.model_dump(), raw[name])
+    return out
+
+
+def profile_body(profiles: dict, name: str, source: str, seen: tuple[str, ...] = ()) -> dict:
+    """What profile ``name`` changes: its ``extends`` chain's changes, then its own."""
+    body = profiles[name]
+    if not isinstance(body, dict):
+        raise ConfigError(f"{source}: profiles.{name}: must be a mapping")
+    bad = sorted(set(body) - set(SECTIONS) - {EXTENDS})
+    if bad:
+        raise ConfigError(f"{source}: profiles.{name}.{bad[0]}: unknown key")
+    own = {k: v for k, v in body.items() if k != EXTENDS}
+    parent = body.get(EXTENDS)
+    if parent is None:
+        return own
+    if not isinstance(parent, str) or parent not in profiles:
+        raise ConfigError(f"{source}: profiles.{name}.{EXTENDS}: names no profile "
+                          f"(got {parent!r:.80})")
+    if parent in seen + (name,):
+        raise ConfigError(f"{source}: profiles.{name}.{EXTENDS}: a cycle through "
+                          f"{' -> '.join(seen + (name, parent))}")
+    return _merge(profile_body(profiles, parent, source, seen + (name,)), own)
+
+
 def _check_profiles(raw: dict, profiles: dict, source: str) -> None:
     """Every named profile must itself give a valid config; a bad one is named early."""
-    for name, body in profiles.items():
-        if not isinstance(body, dict):
-            raise ConfigError(f"{source}: profiles.{name}: must be a mapping")
-        bad = sorted(set(body) - set(SECTIONS))
-        if bad:
-            raise ConfigError(f"{source}: profiles.{name}.{bad[0]}: unknown key")
+    for name in profiles:
+        body = profile_body(profiles, name, source)
         try:
-            merged = Config.model_validate(_merge(raw, body))
+            merged = Config.model_validate(with_defaults(_merge(raw, body)))
         except ValidationError as exc:
             raise _one_line(exc, f"{source}: profiles.{name}") from None
         _check_consistency(merged, f"{source}: profiles.{name}")

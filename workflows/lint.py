@@ -15,14 +15,15 @@ from typing import Iterable, Iterator
 
 import yaml
 from hera.workflows import Workflow, WorkflowTemplate
+from jsonschema import Draft7Validator
 
+from steps.storage import CREDENTIAL_VARS
 from workflows.pod_rules import pod_rules, pytorch_jobs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VALIDATOR = REPO_ROOT.parent / "shared" / "tools" / "validate_argo.py"
 PYTORCHJOB_CRD = REPO_ROOT.parent / "shared" / "kubeflow" / "pytorchjob-crd-v1.9.0.yaml"
-CREDENTIAL_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN",
-                  "ARGO_TOKEN", "MINIO_ROOT_PASSWORD", "MINIO_ROOT_USER")
+CREDENTIAL_ENV = CREDENTIAL_VARS + ("ARGO_TOKEN", "MINIO_ROOT_PASSWORD", "MINIO_ROOT_USER")
 _SECRET_NAME = re.compile(r"(SECRET|PASSWORD|PASSWD|TOKEN|ACCESS_KEY|PRIVATE_KEY|API_KEY)",
                           re.IGNORECASE)
 _SECRET_PATTERNS = {
@@ -89,7 +90,6 @@ def schema(doc: dict) -> list[str] | None:
 def _crd_validator():
     if not PYTORCHJOB_CRD.is_file():
         return None
-    from jsonschema import Draft7Validator
     crd = yaml.safe_load(PYTORCHJOB_CRD.read_text())
     version = next(v for v in crd["spec"]["versions"] if v.get("storage"))
     return Draft7Validator(version["schema"]["openAPIV3Schema"])

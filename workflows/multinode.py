@@ -84,6 +84,7 @@ from hera.workflows import Parameter, Resource, S3Artifact, Task
 from hera.workflows import models as m
 from hera.workflows.archive import NoneArchiveStrategy
 
+from steps import params
 from workflows.config import Config, seconds
 from workflows import templates as t
 
@@ -94,6 +95,7 @@ CONDITION_INDEXES = range(6)  # Created, Running/Restarting, Suspended, Succeede
 JOB_TTL_S = 20  # a finished job is deleted after this; > the 5 s argoexec poll, < the retry wait
 INPUT_ERROR_FILE = f"{POD_DATA}/input-error"  # the step's one error line on bad input
 JOB_LABEL = "workflows.argoproj.io/workflow"
+TRAIN_IO = params.IO["train"]   # one input artifact, handed to the job and back by key
 
 
 def shared_key(what: str) -> str:
@@ -104,66 +106,42 @@ def shared_uri(cfg: Config, what: str) -> str:
     return f"s3://{cfg.storage.bucket}/{shared_key(what)}"
 
 
+def pod_path(name: str, output: bool = False) -> str:
+    """An artifact's directory inside a replica's pod (the job's pods are not Argo's)."""
+    return f"{POD_DATA}/{name}"
+
+
 def _worker_script(cfg: Config) -> str:
     """Fetch the dataset, train under torchrun, then: bad input -> rank 0 stores the error
     line as the model's verdict and every rank exits 0; any other failure -> torchrun's exit
     status (the job fails, Argo retries); success -> rank 0 pushes the model."""
-    train = t.train_args(cfg, f"{POD_DATA}/dataset", f"{POD_DATA}/model")
+    (dataset,), model = TRAIN_IO.reads, TRAIN_IO.writes
     rank0 = 'if [ "${PET_NODE_RANK:-0}" = "0" ]; then %s; fi'
     handoff = lambda *a: shlex.join(["python", "-m", "steps.handoff", *a])  # noqa: E731
     return "\n".join([
         "set -e",
-        handoff("fetch", "--artifact", "dataset", shared_uri(cfg, "dataset"),
-                f"{POD_DATA}/dataset"),
+        handoff("fetch", "--artifact", dataset, shared_uri(cfg, dataset), pod_path(dataset)),
         "rc=0",
         f"UNET_INPUT_ERROR_FILE={INPUT_ERROR_FILE} "
-        + shlex.join(["python", "-m", "torch.distributed.run", "-m", "steps.train"] + train)
-        + " || rc=$?",
+        + shlex.join(["python", "-m", "torch.distributed.run", "-m", "steps.train"]
+                     + t.train_args(cfg, pod_path)) + " || rc=$?",
         f"if [ -s {INPUT_ERROR_FILE} ]; then "
-        + rank0 % handoff("refuse", "--artifact", "model", INPUT_ERROR_FILE,
-                          shared_uri(cfg, "model")) + "; exit 0; fi",
+        + rank0 % handoff("refuse", "--artifact", model, INPUT_ERROR_FILE,
+                          shared_uri(cfg, model)) + "; exit 0; fi",
         '[ "$rc" = 0 ] || exit "$rc"',
-        rank0 % handoff("push", "--artifact", "model", f"{POD_DATA}/model",
-                        shared_uri(cfg, "model")),
+        rank0 % handoff("push", "--artifact", model, pod_path(model), shared_uri(cfg, model)),
     ])
 
 
-def _pod(cfg: Config, replicas: int, master: bool) -> dict:
-    resources, volumes, mounts = t.accelerator_resources(cfg)
-    r = cfg.resources.train
-    env = [e.model_dump(by_alias=True, exclude_none=True)
-           for e in t.s3_env(cfg) + t.extra_env(cfg)]
-    pod = {
-        "serviceAccountName": cfg.pipeline.service_account,
-        "activeDeadlineSeconds": seconds(r.timeout),   # the kubelet's, see "Deadlines" above
-        "securityContext": {"runAsNonRoot": True, "runAsUser": cfg.pipeline.run_as_user,
-                            "runAsGroup": cfg.pipeline.run_as_user,
-                            "fsGroup": cfg.pipeline.run_as_user},
-        "containers": [{
-            "name": "pytorch",  # the operator requires this container name
-            "image": t.image(cfg, cfg.train_image_kind),
-            "imagePullPolicy": cfg.images.pull_policy,
-            "command": ["sh", "-c", _worker_script(cfg)],
-            "env": env,
-            "resources": resources.model_dump(by_alias=True, exclude_none=True),
-            "volumeMounts": [v.model_dump(by_alias=True, exclude_none=True) for v in mounts],
-        }],
-        "volumes": [v.model_dump(by_alias=True, exclude_none=True) for v in volumes],
-    }
-    security, host_ipc = t.gaudi_pod(cfg)
-    if security is not None:
-        pod["containers"][0]["securityContext"] = security.model_dump(by_alias=True,
-                                                                       exclude_none=True)
-    if host_ipc:
-        pod["hostIPC"] = True
-    if r.node_selector:
-        pod["nodeSelector"] = dict(r.node_selector)
-    if r.tolerations:
-        pod["tolerations"] = [t.model_dump(exclude_none=True) for t in r.tolerations]
+def _replicas(cfg: Config, replicas: int, master: bool) -> dict:
+    """One replica spec: the train pod (``templates.train_pod``) running the worker script;
+    the master also names the rendezvous port."""
+    pod = t.train_pod(cfg, "pytorch",   # the operator requires this container name
+                      ["sh", "-c", _worker_script(cfg)])
     if master:
-        pod["containers"][0]["ports"] = [{"name": "pytorchjob-port",
-                                          "containerPort": MASTER_PORT}]
-    return {"replicas": replicas, "restartPolicy": "Never", "template": {"spec": pod}}
+        pod.container.ports = [m.ContainerPort(name="pytorchjob-port",
+                                               container_port=MASTER_PORT)]
+    return {"replicas": replicas, "restartPolicy": "Never", "template": {"spec": pod.spec(cfg)}}
 
 
 def job_name() -> str:
@@ -182,8 +160,8 @@ def job_manifest(cfg: Config) -> str:
             "nprocPerNode": t.arg("devices"),
             "runPolicy": {"cleanPodPolicy": "All", "ttlSecondsAfterFinished": JOB_TTL_S,
                           "activeDeadlineSeconds": seconds(cfg.resources.train.timeout)},
-            "pytorchReplicaSpecs": {"Master": _pod(cfg, 1, master=True),
-                                    "Worker": _pod(cfg, nodes - 1, master=False)},
+            "pytorchReplicaSpecs": {"Master": _replicas(cfg, 1, master=True),
+                                    "Worker": _replicas(cfg, nodes - 1, master=False)},
         },
     }
     return yaml.safe_dump(job, sort_keys=False, width=1000)
@@ -208,25 +186,26 @@ def templates(cfg: Config) -> dict:
     verify = lambda artifact: ["python", "-m", "steps.handoff", "verify",  # noqa: E731
                                "--artifact", artifact,
                                "{{inputs.artifacts.%s.path}}" % artifact]
+    (dataset,), model = TRAIN_IO.reads, TRAIN_IO.writes
     share = t.step(
-        cfg, "share-dataset", "cpu", verify("dataset"), resources="handoff",
-        inputs=[Parameter(name="image-tag"), t.directory("dataset")],
-        outputs=[S3Artifact(name="dataset", path=f"{t.DATA}/dataset",
-                            key=shared_key("dataset"), archive=NoneArchiveStrategy())])
+        cfg, "share-dataset", "cpu", verify(dataset), resources="handoff",
+        inputs=[Parameter(name="image-tag"), t.directory(dataset)],
+        outputs=[S3Artifact(name=dataset, path=f"{t.DATA}/{dataset}",
+                            key=shared_key(dataset), archive=NoneArchiveStrategy())])
     train = Resource(
         name="train", action="apply", set_owner_reference=True,
         manifest=job_manifest(cfg),
         success_condition="status.replicaStatuses.Master.succeeded > 0",
         failure_condition=failure_condition(),
-        inputs=t.train_inputs(),
+        inputs=t.step_parameters("train"),
         active_deadline_seconds=seconds(cfg.resources.train.timeout) + RESOURCE_GRACE_S,
         retry_strategy=t.retry(cfg), metrics=m.Metrics(prometheus=[
             t.duration_metric(cfg)]))
     collect = t.step(
         cfg, "collect-model", "cpu", verify("model"), resources="handoff",
         inputs=[Parameter(name="image-tag"), Parameter(name="precision"),
-                S3Artifact(name="model", path=f"{t.DATA}/model", key=shared_key("model"))],
-        outputs=t.model_outputs())
+                S3Artifact(name=model, path=f"{t.DATA}/{model}", key=shared_key(model))],
+        outputs=t.step_outputs(cfg, "train"))
     return {"share": share, "train": train, "collect": collect, "release": release_template()}
 
 

@@ -31,7 +31,7 @@ from typing import Iterator
 
 import yaml
 
-from workflows.local.spec import duration_seconds
+from workflows import durations
 
 OVERLAYS = Path(__file__).resolve().parent.parent / "manifests" / "overlays"
 WRITABLE_VOLUMES = ("emptyDir", "persistentVolumeClaim", "ephemeral")
@@ -144,7 +144,10 @@ def _train_paths(container: dict) -> list[str]:
 
 # ---- deadlines ---------------------------------------------------------------------------
 def _seconds(tmpl: dict, field: str, value) -> float:
-    return duration_seconds(value, f"spec.templates[{tmpl['name']}].{field}")
+    try:
+        return durations.seconds(value)
+    except ValueError as e:
+        raise ValueError(f"spec.templates[{tmpl['name']}].{field}: {e}") from None
 
 
 def _deadline(tmpl: dict) -> float | None:

@@ -11,6 +11,7 @@ PID because its orderly shutdown takes about 15 s.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import os
 import secrets
@@ -86,7 +87,6 @@ def free_ports(count: int, host: str = HOST) -> list[int]:
 def _die_with_parent() -> None:
     """In the child before exec: get SIGKILL when the parent dies (Linux), so no orphans."""
     try:
-        import ctypes
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:

@@ -3,7 +3,9 @@ memoization, metrics and the workflow parameters of the Argo UI.
 
 Every step parameter comes from ``steps.params``: its flag, the template input that carries
 it, the DAG task's value (a workflow parameter, or the config's literal) and the UI's
-description and enum. :mod:`workflows.unet` wires these templates into the DAG, and
+description and enum; so do each step's artifacts and output parameters (``params.IO``).
+One function builds the train pod (:func:`train_pod`) for this container template and for
+the PyTorchJob. :mod:`workflows.unet` wires these templates into the DAG, and
 :mod:`workflows.multinode` reuses them for a PyTorchJob.
 
 Commands name their inputs as ``{{inputs.parameters.X}}`` strings (:func:`arg`): Hera's
@@ -11,6 +13,8 @@ Commands name their inputs as ``{{inputs.parameters.X}}`` strings (:func:`arg`):
 template being built.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from hera.workflows import Artifact, Container, Parameter, S3Artifact, models as m
 from hera.workflows.archive import NoneArchiveStrategy
@@ -141,12 +145,42 @@ def directory(name: str, output: bool = False) -> Artifact:
                     else None)
 
 
-def file_outputs(artifact: str, step: str) -> list[Parameter]:
-    """Output parameters read from the files the step writes under its output artifact."""
-    folder = f"{{{{outputs.artifacts.{artifact}.path}}}}/{params.OUTPUTS_DIR}"
-    return [Parameter(name=n.replace("_", "-"), global_name=n.replace("_", "-"),
-                      value_from=m.ValueFrom(path=f"{folder}/{n}"))
-            for n in params.OUTPUTS[step]]
+def artifact_path(name: str, output: bool = False) -> str:
+    """Where Argo puts an input artifact, or takes an output artifact from."""
+    return "{{%s.artifacts.%s.path}}" % ("outputs" if output else "inputs", name)
+
+
+def artifact_args(step_name: str, path=artifact_path) -> list[str]:
+    """``--<artifact> DIR`` for the step's inputs, then its output (``params.IO``)."""
+    io = params.IO[step_name]
+    return ([word for name in io.reads for word in (f"--{name}", path(name))]
+            + [f"--{io.writes}", path(io.writes, output=True)])
+
+
+def step_parameters(step_name: str) -> list[Parameter]:
+    """A step template's input parameters: its step parameters, then its image tag."""
+    return param_inputs(step_name) + [Parameter(name="image-tag")]
+
+
+def step_inputs(step_name: str) -> list:
+    return step_parameters(step_name) + [directory(a) for a in params.IO[step_name].reads]
+
+
+def step_outputs(cfg: Config, step_name: str) -> list:
+    """The output artifact, the files of it shown on their own, its release copy, and the
+    output parameters read from the files the step writes under it."""
+    io = params.IO[step_name]
+    out = [directory(io.writes, output=True)] + [
+        Artifact(name=name, path=f"{artifact_path(io.writes, output=True)}/{file}",
+                 archive=NoneArchiveStrategy()) for name, file in io.files.items()]
+    if io.release is not None:
+        out.append(S3Artifact(name="release", path=f"{DATA}/{io.writes}",
+                              archive=NoneArchiveStrategy(),
+                              key=f"{cfg.storage.models_prefix}/{cfg.pipeline.model_name}/"
+                                  "{{workflow.name}}" + io.release))
+    folder = f"{artifact_path(io.writes, output=True)}/{params.OUTPUTS_DIR}"
+    return out + [Parameter(name=n.replace("_", "-"), global_name=n.replace("_", "-"),
+                            value_from=m.ValueFrom(path=f"{folder}/{n}")) for n in io.outputs]
 
 
 def s3_env(cfg: Config) -> list[m.EnvVar]:
@@ -231,43 +265,35 @@ def step(cfg: Config, name: str, kind: str, command: list[str] | None = None,
         active_deadline_seconds=seconds(res.timeout), retry_strategy=retries, **kw)
 
 
+def data_step(cfg: Config, name: str, **kw) -> Container:
+    """A CPU step whose command line, inputs and outputs all derive from ``params``."""
+    return step(cfg, name, "cpu", args=artifact_args(name) + param_args(cfg, name),
+                inputs=kw.pop("inputs", []) + step_inputs(name),
+                outputs=step_outputs(cfg, name), env=kw.pop("env", extra_env(cfg)), **kw)
+
+
 def download_template(cfg: Config) -> Container:
-    names = memo_names("download") + ["image-tag"]
-    return step(cfg, "download", "cpu",
-                args=["--raw", "{{outputs.artifacts.raw.path}}"] + param_args(cfg, "download"),
-                inputs=param_inputs("download") + [Parameter(name="image-tag")],
-                outputs=[directory("raw", output=True)],
-                env=s3_env(cfg) + extra_env(cfg),
-                memoize=memoize(cfg, "download", names))
+    return data_step(cfg, "download", env=s3_env(cfg) + extra_env(cfg),
+                     memoize=memoize(cfg, "download", memo_names("download") + ["image-tag"]))
 
 
 def preprocess_template(cfg: Config) -> Container:
     """Keyed by the download's inputs too: they determine the ``raw`` it reads."""
     keyed = memo_names("download") + memo_names("preprocess") + ["image-tag"]
-    return step(cfg, "preprocess", "cpu",
-                args=["--raw", "{{inputs.artifacts.raw.path}}",
-                      "--dataset", "{{outputs.artifacts.dataset.path}}"]
-                + param_args(cfg, "preprocess"),
-                inputs=[Parameter(name=n) for n in memo_names("download")]
-                + param_inputs("preprocess") + [Parameter(name="image-tag"), directory("raw")],
-                outputs=[directory("dataset", output=True)],
-                env=extra_env(cfg),
-                memoize=memoize(cfg, "preprocess", keyed))
+    return data_step(cfg, "preprocess",
+                     inputs=[Parameter(name=n) for n in memo_names("download")],
+                     memoize=memoize(cfg, "preprocess", keyed))
 
 
-def train_args(cfg: Config, dataset: str, model: str) -> list[str]:
+def train_args(cfg: Config, path=artifact_path) -> list[str]:
     """The train command: artifacts, wiring, then every train parameter.
 
     ``--devices`` is per node and ``--nodes`` is the node count, so the step expects
     ``WORLD_SIZE == nodes * devices`` from ``torch.distributed.run``.
     """
-    return (["--dataset", dataset, "--model", model,
-             "--nodes", str(cfg.resources.train.nodes),
-             "--checkpoint-uri", checkpoint_uri(cfg)] + param_args(cfg, "train"))
-
-
-def train_inputs() -> list[Parameter]:
-    return param_inputs("train") + [Parameter(name="image-tag")]
+    return (artifact_args("train", path) + ["--nodes", str(cfg.resources.train.nodes),
+                                            "--checkpoint-uri", checkpoint_uri(cfg)]
+            + param_args(cfg, "train"))
 
 
 def checkpoint_uri(cfg: Config) -> str:
@@ -374,53 +400,79 @@ def result_metrics(cfg: Config) -> list[m.Prometheus]:
                   "Training throughput in 2D slices per second", "img-per-s")]
 
 
-def model_outputs() -> list:
-    report = Artifact(name="report", path="{{outputs.artifacts.model.path}}/report.html",
-                      archive=NoneArchiveStrategy())
-    return [directory("model", output=True), report] + file_outputs("model", "train")
+def pod_security(cfg: Config) -> m.PodSecurityContext:
+    """Every pod's: the images' non-root uid, which also owns the volumes."""
+    uid = cfg.pipeline.run_as_user
+    return m.PodSecurityContext(run_as_non_root=True, run_as_user=uid, run_as_group=uid,
+                                fs_group=uid)
 
 
-def train_template(cfg: Config) -> Container:
+@dataclass
+class TrainPod:
+    """The pod that trains: built once (:func:`train_pod`) for the container template and for
+    every replica of the PyTorchJob (``workflows.multinode``)."""
+    container: m.Container
+    volumes: list[m.Volume]
+    node_selector: dict[str, str] | None
+    tolerations: list[m.Toleration] | None
+    deadline_s: int          # activeDeadlineSeconds of one attempt
+    host_ipc: bool           # Gaudi's HCCL
+
+    def spec(self, cfg: Config) -> dict:
+        """As a Kubernetes PodSpec, with what Argo adds to its own pods from the workflow:
+        the service account and the pod security context."""
+        dump = lambda model: model.model_dump(by_alias=True, exclude_none=True)  # noqa: E731
+        spec = {"serviceAccountName": cfg.pipeline.service_account,
+                "activeDeadlineSeconds": self.deadline_s,
+                "securityContext": dump(pod_security(cfg)),
+                "containers": [dump(self.container)],
+                "volumes": [dump(v) for v in self.volumes]}
+        if self.host_ipc:
+            spec["hostIPC"] = True
+        if self.node_selector:
+            spec["nodeSelector"] = self.node_selector
+        if self.tolerations:
+            spec["tolerations"] = [dump(t) for t in self.tolerations]
+        return spec
+
+
+def train_pod(cfg: Config, container: str, command: list[str],
+              args: list[str] | None = None) -> TrainPod:
+    """The train image with the checkpoint store's env, the accelerator's resources and
+    volumes, node placement, the attempt's deadline and Gaudi's hostIPC."""
     resources, volumes, mounts = accelerator_resources(cfg)
     security, host_ipc = gaudi_pod(cfg)
     r = cfg.resources.train
-    return Container(
-        name="train", image=image(cfg, cfg.train_image_kind),
-        image_pull_policy=cfg.images.pull_policy,
-        command=["python", "-m", "steps.train"],
-        args=train_args(cfg, "{{inputs.artifacts.dataset.path}}",
-                        "{{outputs.artifacts.model.path}}"),
-        inputs=train_inputs() + [directory("dataset")],
-        outputs=model_outputs(), env=s3_env(cfg) + extra_env(cfg),
-        resources=resources, volumes=volumes, volume_mounts=mounts,
-        node_selector=dict(r.node_selector) or None,
+    return TrainPod(
+        container=m.Container(
+            name=container, image=image(cfg, cfg.train_image_kind),
+            image_pull_policy=cfg.images.pull_policy, command=command, args=args,
+            env=s3_env(cfg) + extra_env(cfg), resources=resources, volume_mounts=mounts,
+            security_context=security),
+        volumes=volumes, node_selector=dict(r.node_selector) or None,
         tolerations=[m.Toleration(**t.model_dump(exclude_none=True)) for t in r.tolerations]
-        or None, active_deadline_seconds=seconds(r.timeout),
-        security_context=security,
-        pod_spec_patch='{"hostIPC": true}' if host_ipc else None,  # no Template field for it
+        or None, deadline_s=seconds(r.timeout), host_ipc=host_ipc)
+
+
+def train_template(cfg: Config) -> Container:
+    """The single-node train step. Argo takes the service account and the pod security
+    context from the workflow, and hostIPC (no Template field) from a pod spec patch."""
+    pod = train_pod(cfg, "main", ["python", "-m", "steps.train"], train_args(cfg))
+    c = pod.container
+    return Container(
+        name="train", image=c.image, image_pull_policy=c.image_pull_policy,
+        command=c.command, args=c.args,
+        inputs=step_inputs("train"), outputs=step_outputs(cfg, "train"), env=c.env,
+        resources=c.resources, volumes=pod.volumes, volume_mounts=c.volume_mounts,
+        node_selector=pod.node_selector, tolerations=pod.tolerations,
+        active_deadline_seconds=pod.deadline_s, security_context=c.security_context,
+        pod_spec_patch='{"hostIPC": true}' if pod.host_ipc else None,
         retry_strategy=retry(cfg),
         metrics=m.Metrics(prometheus=[duration_metric(cfg)]))
 
 
-def release_step(cfg: Config, name: str, reads: tuple[str, ...], writes: str,
-                 key_suffix: str = "") -> Container:
-    """A CPU step that reads the artifacts ``reads``, writes ``writes`` and also releases it
-    to the stable key ``models/<model_name>/<workflow name><key_suffix>``."""
-    release = S3Artifact(name="release", path=f"{DATA}/{writes}", archive=NoneArchiveStrategy(),
-                         key=f"{cfg.storage.models_prefix}/{cfg.pipeline.model_name}/"
-                             "{{workflow.name}}" + key_suffix)
-    args = [word for artifact in reads
-            for word in (f"--{artifact}", "{{inputs.artifacts.%s.path}}" % artifact)]
-    return step(cfg, name, "cpu",
-                args=args + [f"--{writes}", "{{outputs.artifacts.%s.path}}" % writes]
-                + param_args(cfg, name),
-                inputs=[Parameter(name="image-tag")] + [directory(a) for a in reads],
-                outputs=[directory(writes, output=True), release] + file_outputs(writes, name),
-                env=extra_env(cfg))
-
-
 def convert_template(cfg: Config) -> Container:
-    tmpl = release_step(cfg, "convert", ("model", "dataset"), "exported")
+    tmpl = data_step(cfg, "convert")
     tmpl.inputs = list(tmpl.inputs) + [Parameter(name="precision")] + [
         Parameter(name=n) for n in RESULTS]
     tmpl.metrics = m.Metrics(prometheus=result_metrics(cfg))
@@ -429,4 +481,4 @@ def convert_template(cfg: Config) -> Container:
 
 def quantize_template(cfg: Config) -> Container:
     """Beside the FP32 model: ``models/<model_name>/<workflow name>/int8/``."""
-    return release_step(cfg, "quantize", ("exported", "dataset"), "quantized", "/int8")
+    return data_step(cfg, "quantize")

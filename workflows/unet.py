@@ -30,10 +30,47 @@ from pathlib import Path
 
 from hera.workflows import DAG, Task, Workflow, WorkflowTemplate, models as m
 
+from steps import params
 from workflows import multinode, templates as t
 from workflows.config import Config
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
+WHEN = {"quantize": "{{workflow.parameters.quantize}} == true"}
+
+
+class _Wiring:
+    """The DAG's edges from ``params.IO``: each input artifact comes from the task that
+    writes it, and a task depends on those writers, less any that another already follows
+    (so ``convert`` waits for ``train`` alone, though it also reads the dataset)."""
+
+    def __init__(self) -> None:
+        self.writer: dict[str, str] = {}         # artifact -> step that writes it
+        self.last: dict[str, Task] = {}          # step -> the task its outputs come from
+        self.before: dict[str, set[str]] = {}    # step -> the steps it follows
+
+    def inputs(self, step: str) -> list:
+        return [self.last[self.writer[a]].get_artifact(a) for a in params.IO[step].reads]
+
+    def add(self, step: str, first: Task, last: Task) -> None:
+        parents = {self.writer[a] for a in params.IO[step].reads}
+        direct = [p for p in parents if not any(p in self.before[q] for q in parents)]
+        for parent in sorted(direct, key=list(self.last).index):
+            self.last[parent] >> first
+        self.before[step] = parents.union(*(self.before[p] for p in parents))
+        self.writer[params.IO[step].writes] = step
+        self.last[step] = last
+
+
+def _extra_arguments(wf, cfg: Config, dag: _Wiring, step: str) -> tuple[list, list]:
+    """A task's arguments before and after its own parameters, image tag and artifacts:
+    preprocess's memo key includes the download's inputs, and convert takes the precision
+    and train's results for its metrics."""
+    if step == "preprocess":
+        return t.task_params(wf, cfg, "download", t.memo_names("download")), []
+    if step == "convert":
+        return [], [wf.get_parameter("precision")] + [
+            dag.last["train"].get_parameter(n) for n in t.RESULTS]
+    return [], []
 
 
 def build(cfg: Config, kind: str = "workflow") -> Workflow:
@@ -53,41 +90,29 @@ def build(cfg: Config, kind: str = "workflow") -> Workflow:
              service_account_name=cfg.pipeline.service_account,
              artifact_repository_ref=m.ArtifactRepositoryRef(
                  config_map=s.artifact_repository_configmap, key=s.artifact_repository_key),
-             security_context=m.PodSecurityContext(
-                 run_as_non_root=True, run_as_user=cfg.pipeline.run_as_user,
-                 run_as_group=cfg.pipeline.run_as_user, fs_group=cfg.pipeline.run_as_user),
+             security_context=t.pod_security(cfg),
              ) as wf:
-        download, preprocess = t.download_template(cfg), t.preprocess_template(cfg)
-        convert = t.convert_template(cfg)
-        quantize = t.quantize_template(cfg) if cfg.quantizes else None
         multi = cfg.resources.train.nodes > 1
-        train = multinode.templates(cfg) if multi else t.train_template(cfg)
-        data_tag = wf.get_parameter("data-image-tag").with_name("image-tag")
-        train_params = (t.task_params(wf, cfg, "train")
-                        + [wf.get_parameter("train-image-tag").with_name("image-tag")])
+        templates = {"download": t.download_template(cfg),   # the YAML's template order
+                     "preprocess": t.preprocess_template(cfg),
+                     "convert": t.convert_template(cfg)}
+        if cfg.quantizes:
+            templates["quantize"] = t.quantize_template(cfg)
+        templates["train"] = multinode.templates(cfg) if multi else t.train_template(cfg)
+        tags = {"data": wf.get_parameter("data-image-tag").with_name("image-tag"),
+                "train": wf.get_parameter("train-image-tag").with_name("image-tag")}
         with DAG(name="pipeline"):
-            t_download = Task(name="download", template=download,
-                              arguments=t.task_params(wf, cfg, "download") + [data_tag])
-            t_pre = Task(name="preprocess", template=preprocess, arguments=(
-                t.task_params(wf, cfg, "download", t.memo_names("download"))
-                + t.task_params(wf, cfg, "preprocess") + [data_tag,
-                                                          t_download.get_artifact("raw")]))
-            dataset = t_pre.get_artifact("dataset")
-            if multi:
-                first, last = multinode.tasks(wf, train, train_params, dataset)
-            else:
-                first = last = Task(name="train", template=train,
-                                    arguments=train_params + [dataset])
-            t_convert = Task(name="convert", template=convert, arguments=[
-                data_tag, last.get_artifact("model"), dataset, wf.get_parameter("precision")]
-                + [last.get_parameter(n) for n in t.RESULTS])
-            t_download >> t_pre >> first
-            last >> t_convert
-            if quantize is not None:
-                t_convert >> Task(name="quantize", template=quantize,
-                                  when="{{workflow.parameters.quantize}} == true",
-                                  arguments=[data_tag, t_convert.get_artifact("exported"),
-                                             dataset])
+            dag = _Wiring()
+            for name in [n for n in params.IO if n in templates]:   # in DAG order
+                template = templates[name]
+                own = t.task_params(wf, cfg, name) + [tags["train" if name == "train" else "data"]]
+                if name == "train" and multi:
+                    first, last = multinode.tasks(wf, template, own, *dag.inputs(name))
+                else:
+                    before, after = _extra_arguments(wf, cfg, dag, name)
+                    first = last = Task(name=name, template=template, when=WHEN.get(name),
+                                        arguments=before + own + dag.inputs(name) + after)
+                dag.add(name, first, last)
     return wf
 
 

@@ -2,7 +2,7 @@
 # Build the CPU step image from containers/Dockerfile.cpu with podman, on a machine that
 # reaches package registries but no container registry (CI, the development VMs):
 #
-#   containers/podman/build.sh            # -> ghcr.io/unet-argo/unet-cpu:<version>
+#   containers/podman/build.sh            # -> images.cpu of config/pipeline.yaml
 #
 # - the base is made from Debian's packages (mmdebstrap -> podman import), plus a
 #   python3/venv layer, and passed as BASE_IMAGE; nothing is pulled;
@@ -18,8 +18,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-version=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
-image=${IMAGE:-ghcr.io/unet-argo/unet-cpu:${version}}
+# The image's name and tag are the pipeline config's (images.cpu), where they are stated once.
+image=${IMAGE:-$(python3 -c 'from workflows.config import load_config
+cpu = load_config().images.cpu
+print(f"{cpu.repository}:{cpu.tag}")')}
 debian=localhost/unet-base/debian:bookworm
 python=localhost/unet-base/python:3-bookworm
 torch=${TORCH_VERSION:-$(sed -n 's/^ARG TORCH_VERSION=//p' containers/Dockerfile.cpu)}
@@ -65,8 +67,8 @@ else
          --build-arg TORCH_WHEELS_ONLY=1)
 fi
 [ -f "$ca" ] && args+=(--secret "id=pip-ca,src=$ca")
-# The runner compares this label with the checkout it runs (workflows/local/pods.py).
-if sources=$(python3 -c 'from workflows.local.pods import source_digest; print(source_digest())' 2>/dev/null); then
+# The runner compares this label with the checkout it runs (emulator/pods.py).
+if sources=$(python3 -c 'from emulator.pods import source_digest; print(source_digest())' 2>/dev/null); then
   args+=(--label "unet-argo.sources=$sources")
 fi
 

@@ -25,7 +25,7 @@ BUCKET = "faults-concurrent"
 DRIVER = """
 import json, sys
 from pathlib import Path
-from workflows.local.runner import run_workflow
+from emulator.runner import run_workflow
 workflow, root, message = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]), sys.argv[3]
 result = run_workflow(workflow, run_dir=root / "state", output_dir=root / "outputs",
                       bucket=sys.argv[4], parameters={"msg": message}, backoff_scale=0.0,
@@ -84,7 +84,7 @@ def test_runs_that_create_the_same_bucket_at_once_all_succeed(s3):
     from concurrent.futures import ThreadPoolExecutor
     from threading import Barrier
 
-    from workflows.local.s3target import S3Target
+    from emulator.s3target import S3Target
 
     rounds, width = 5, 6
     for n in range(rounds):

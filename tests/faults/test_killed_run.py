@@ -22,7 +22,7 @@ import torch
 from conftest import REPO
 from steps import storage
 from workflows.config import load_config
-from workflows.local.runner import run_workflow
+from emulator.runner import run_workflow
 from workflows.unet import build, render
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]

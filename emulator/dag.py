@@ -5,8 +5,8 @@ import re
 import secrets
 from typing import Any, Mapping
 
-from workflows.local.errors import LocalRunError
-from workflows.local.expr import depends_names
+from emulator.errors import LocalRunError
+from emulator.expr import depends_names
 
 NAME_SUFFIX_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"   # Kubernetes' generateName alphabet
 _MAX_POD_PREFIX = 253 - 10 - 1

@@ -3,7 +3,7 @@
 The ``subprocess`` executor runs the container's ``command`` + ``args`` in this Python
 environment (``python`` → this interpreter, the project on ``PYTHONPATH``), in the node
 directory; container paths were already remapped under it by the runner. The container
-executors (:mod:`workflows.local.pods`) run ``podman start --attach`` through the same
+executors (:mod:`emulator.pods`) run ``podman start --attach`` through the same
 :func:`run`, with a ``stop`` command that kills the container at the deadline.
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from workflows.local.errors import LocalRunError
+from emulator.errors import LocalRunError
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 _PYTHON = re.compile(r"^python(3(\.\d+)?)?$")
 _QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|K|M|G|T)?$")
 _UNITS = {None: 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,

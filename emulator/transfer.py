@@ -20,8 +20,8 @@ from pathlib import Path
 
 from steps import storage
 from steps.artifacts import MANIFEST
-from workflows.local.errors import LocalRunError
-from workflows.local.results import ArtifactRef
+from emulator.errors import LocalRunError
+from emulator.results import ArtifactRef
 
 DEFAULT_KEY_FORMAT = "{{workflow.name}}/{{pod.name}}"
 

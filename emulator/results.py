@@ -1,6 +1,7 @@
 """What a local run reports: per node and for the whole run (also written as result.json)."""
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,5 @@ class RunResult:
         return data
 
     def write(self, path: Path) -> Path:
-        import json
         path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
         return path

@@ -21,7 +21,7 @@ import hashlib
 import re
 from typing import Any, Callable, Mapping
 
-from workflows.local.errors import LocalRunError
+from emulator.errors import LocalRunError
 
 _VAR = re.compile(r"\{\{(.*?)\}\}")
 _TOKEN = re.compile(r"""\s*(?:(\|\||&&|==|!=|<=|>=|[()\[\],!<>+])|'([^']*)'|"([^"]*)"|"""

@@ -16,12 +16,10 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping
 from urllib.parse import urlsplit
 
-from workflows.local.errors import LocalRunError
+from emulator.errors import LocalRunError
+from steps.storage import CONNECTION_VARS, DEFAULT_REGION
+from workflows.s3server import SeaweedError, SeaweedServer
 
-CONNECTION_VARS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
-                   "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
-                   "AWS_DEFAULT_REGION", "AWS_PROFILE", "AWS_DEFAULT_PROFILE")
-DEFAULT_REGION = "us-east-1"
 
 
 @dataclass
@@ -41,6 +39,8 @@ class S3Target:
         return f"s3://{self.bucket}/{key}"
 
     def minio(self):
+        # minio is imported where used: benchmarks.common imports this module on the GPU
+        # session's machine, which need not have minio.
         from minio import Minio
         parts = urlsplit(self.endpoint)
         if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -96,7 +96,6 @@ def open_target(env: Mapping[str, str], bucket: str, state_dir: Path,
             log(f"created bucket {bucket} at {target.endpoint}")
         yield target
         return
-    from workflows.s3server import SeaweedError, SeaweedServer
     root = state_dir / "s3"
     try:
         server = SeaweedServer(root, buckets=[bucket], region=region)

@@ -2,7 +2,7 @@
 
 The same four stages for both executors: resolve the template (paths, command, env,
 deadline), put the input artifacts in place (Argo's init container), run the step
-(:mod:`workflows.local.executors` as a process here, or :mod:`workflows.local.pods` in its
+(:mod:`emulator.executors` as a process here, or :mod:`emulator.pods` in its
 image), and collect the outputs (the wait container). What differs between the executors
 is only where the container paths live: under the pod directory for a process, inside the
 container for an image.
@@ -19,7 +19,7 @@ container for an image.
 - **Deadlines.** ``timeout`` and ``activeDeadlineSeconds`` of the template, the Workflow's
   ``activeDeadlineSeconds`` and a retry's ``maxDuration`` stop the step.
 - **Outputs.** Artifacts are uploaded under the artifact repository's key format
-  (:mod:`workflows.local.transfer`); output parameters are read from ``valueFrom.path`` with
+  (:mod:`emulator.transfer`); output parameters are read from ``valueFrom.path`` with
   one trailing newline removed, as Argo's executor does.
 """
 from __future__ import annotations
@@ -31,16 +31,16 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Callable, Mapping, TextIO
 
+from emulator import executors, pods, transfer
+from emulator.dag import Task
+from emulator.errors import LocalRunError
+from emulator.expr import substitute
+from emulator.results import ArtifactRef, NodeResult
+from emulator.s3target import S3Target
+from emulator.spec import cpu_field, duration_seconds
 from steps.errors import StepError
-from workflows.local import executors, pods, transfer
-from workflows.local.dag import Task
-from workflows.local.errors import LocalRunError
-from workflows.local.expr import substitute
-from workflows.local.results import ArtifactRef, NodeResult
-from workflows.local.s3target import S3Target
-from workflows.local.spec import cpu_field, duration_seconds
+from steps.storage import KEY_VARS
 
-CREDENTIAL_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 _OUTPUT_PATH_REF = re.compile(r"\{\{\s*outputs\.artifacts\.([\w\-]+)\.path\s*\}\}")
 
 
@@ -247,7 +247,7 @@ class Lifecycle:
                     env[name] = value
             else:
                 env[name] = substitute(str(item.get("value", "")), scope, ewhere)
-        if any(name in env for name in CREDENTIAL_VARS):
+        if any(name in env for name in KEY_VARS):
             env.pop("AWS_ENDPOINT_URL_S3", None)
             env.update(AWS_ENDPOINT_URL=self.target.endpoint, AWS_REGION=self.target.region)
             self.note(f"{where}: receives S3 credentials, so its AWS_ENDPOINT_URL and "

@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Callable, TextIO
 
-from workflows.local import executors
-from workflows.local.errors import LocalRunError
+from emulator import executors
+from emulator.errors import LocalRunError
 
 ENGINES = ("podman", "docker")
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("pyproject.toml", "steps")  # what a step runs (steps never import workflows/)
 SOURCES_LABEL = "unet-argo.sources"
 PULL = {"Always": "always", "IfNotPresent": "missing", "Never": "never"}

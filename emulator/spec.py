@@ -3,7 +3,7 @@
 The runner executes a Workflow whose entrypoint is one ``dag`` template of ``container``
 templates. :func:`check_workflow` walks every key before anything runs:
 
-- **handled** keys are run as Argo would (see :mod:`workflows.local.runner`);
+- **handled** keys are run as Argo would (see :mod:`emulator.runner`);
 - **ignored** keys only steer Kubernetes or the Argo controller and change nothing about
   what a step computes or which artifacts it exchanges. Each one yields a logged note:
   scheduling (``nodeSelector``, ``tolerations``, ``affinity``, ``priorityClassName``,
@@ -30,24 +30,16 @@ import os
 import re
 from typing import Any, Iterable, Mapping
 
-from workflows.local.errors import LocalRunError
-
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
-_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60,
-                   "h": 3600}
-
+from emulator.errors import LocalRunError
+from workflows import durations
 
 def duration_seconds(value: Any, where: str) -> float:
-    """A Go duration (``30s``, ``1h30m``) or a number of seconds."""
-    text = str(value).strip()
+    """A Go duration (``30s``, ``1h30m``) or a number of seconds (``workflows.durations``)."""
     try:
-        return float(text)
-    except ValueError:
-        pass
-    parts = _DURATION.findall(text)
-    if not parts or "".join(n + u for n, u in parts) != text:
-        raise LocalRunError(f"{where}: {value!r} is not a duration (e.g. 30s, 10m, 720h)")
-    return sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+        return durations.seconds(value)
+    except ValueError as e:
+        raise LocalRunError(f"{where}: {e}") from None
+
 
 RESOURCE_FIELD_KEYS = {"resource", "divisor", "containerName"}
 _CPU = re.compile(r"(\d+(?:\.\d+)?)(m?)")

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from steps import storage
-from workflows.local.errors import LocalRunError
-from workflows.local.expr import substitute
-from workflows.local.results import ArtifactRef
-from workflows.local.spec import duration_seconds
+from emulator.errors import LocalRunError
+from emulator.expr import substitute
+from emulator.results import ArtifactRef
+from emulator.spec import duration_seconds
 
 MEMO_PREFIX = "argo-local-memoize"
 KEY_RE = re.compile(r"^[a-zA-Z0-9][-a-zA-Z0-9]*$")

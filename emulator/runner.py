@@ -10,12 +10,12 @@ What Argo does, and what this does in its place:
   ``depends`` is false is Omitted, one whose ``when`` is false is Skipped. After a failure
   no new task starts unless the DAG sets ``failFast: false``. The run fails when any node
   fails or errors.
-- **A pod.** Each attempt runs as :mod:`workflows.local.lifecycle` describes (inputs in,
+- **A pod.** Each attempt runs as :mod:`emulator.lifecycle` describes (inputs in,
   the step as a process or in its image, outputs out), with artifact keys following the
-  artifact repository's keyFormat (:mod:`workflows.local.transfer`).
-- **Retries.** As :mod:`workflows.local.retries` describes; each attempt is a fresh pod
+  artifact repository's keyFormat (:mod:`emulator.transfer`).
+- **Retries.** As :mod:`emulator.retries` describes; each attempt is a fresh pod
   directory, and waits are multiplied by ``backoff_scale``.
-- **Memoization.** See :mod:`workflows.local.memo`.
+- **Memoization.** See :mod:`emulator.memo`.
 - **Deadlines.** The Workflow's ``activeDeadlineSeconds`` bounds every attempt.
 """
 from __future__ import annotations
@@ -29,19 +29,19 @@ from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Mapping, TextIO
 
+from emulator import memo, pods, transfer
+from emulator.dag import Task, order, pod_name, workflow_name
+from emulator.errors import LocalRunError
+from emulator.expr import eval_depends, eval_when, substitute
+from emulator.lifecycle import Lifecycle
+from emulator.results import ArtifactRef, ModelLink, NodeResult, RunResult
+from emulator.retries import RetryPlan
+from emulator.s3target import open_target, process_env
+from emulator.spec import check_workflow, template_map
+from steps import storage
 from steps.errors import StepError
-from workflows.local import memo, pods, transfer
-from workflows.local.dag import Task, order, pod_name, workflow_name
-from workflows.local.errors import LocalRunError
-from workflows.local.expr import eval_depends, eval_when, substitute
-from workflows.local.lifecycle import Lifecycle
-from workflows.local.results import ArtifactRef, ModelLink, NodeResult, RunResult
-from workflows.local.retries import RetryPlan
-from workflows.local.s3target import open_target, process_env
-from workflows.local.spec import check_workflow, template_map
 
 EXECUTORS = ("subprocess", *pods.ENGINES)
-DEFAULT_BUCKET = "unet-artifacts"
 ECHO_STDERR = object()   # the default for run_workflow(echo=): sys.stderr at call time
 _FROM = re.compile(r"^\{\{\s*tasks\.([\w\-]+)\.outputs\.artifacts\.([\w\-]+)\s*\}\}$")
 
@@ -68,7 +68,7 @@ class LocalRun:
         self.output_dir = Path(output_dir) if output_dir else None
         self.env = {**os.environ, **(env or {})}
         self.log = log
-        self.bucket = bucket or self.env.get("UNET_ARTIFACT_BUCKET") or DEFAULT_BUCKET
+        self.bucket = bucket or self.env.get("UNET_ARTIFACT_BUCKET") or storage.DEFAULT_BUCKET
         self.secrets = secrets or {}
         self.configmaps = configmaps or {}
         self.key_format = key_format
@@ -486,7 +486,6 @@ def _releases(template: dict) -> bool:
 
 
 def storage_keys(ref: ArtifactRef) -> list[str]:
-    from steps import storage
     return storage.list_keys(ref.uri)
 
 

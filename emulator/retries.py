@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workflows.local.errors import LocalRunError
-from workflows.local.expr import eval_retry, substitute
-from workflows.local.results import NodeResult
-from workflows.local.spec import duration_seconds
+from emulator.errors import LocalRunError
+from emulator.expr import eval_retry, substitute
+from emulator.results import NodeResult
+from emulator.spec import duration_seconds
 
 
 @dataclass(frozen=True)
