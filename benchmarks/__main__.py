@@ -15,8 +15,8 @@ from pathlib import Path
 
 from benchmarks import common
 
-# name -> module, imported when that benchmark runs: each needs only its own dependencies (the
-# GPU session's machine has torch but not the emulator's, the orchestration row the reverse).
+# name -> module, imported when that benchmark runs, so that running one never needs another's
+# dependencies (hera and the emulator for orchestration, monai for loader and train, ...).
 BENCHMARKS = {"preprocess": "preprocess", "loader": "loader", "train": "trainstep",
               "handoff": "handoff", "onnx": "onnxrt", "orchestration": "orchestration",
               "growth": "growth", "allocator": "allocator", "precision": "precision",

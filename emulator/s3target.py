@@ -21,7 +21,6 @@ from steps.storage import CONNECTION_VARS, DEFAULT_REGION
 from workflows.s3server import SeaweedError, SeaweedServer
 
 
-
 @dataclass
 class S3Target:
     endpoint: str

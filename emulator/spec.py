@@ -33,6 +33,7 @@ from typing import Any, Iterable, Mapping
 from emulator.errors import LocalRunError
 from workflows import durations
 
+
 def duration_seconds(value: Any, where: str) -> float:
     """A Go duration (``30s``, ``1h30m``) or a number of seconds (``workflows.durations``)."""
     try:

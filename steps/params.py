@@ -262,11 +262,6 @@ IO = {
 }
 
 
-def writer(artifact: str) -> str:
-    """The step whose output ``artifact`` is."""
-    return next(step for step, io in IO.items() if io.writes == artifact)
-
-
 def by_name(params: Iterable[Param]) -> dict[str, Param]:
     return {p.name: p for p in params}
 

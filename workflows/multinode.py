@@ -107,7 +107,8 @@ def shared_uri(cfg: Config, what: str) -> str:
 
 
 def pod_path(name: str, output: bool = False) -> str:
-    """An artifact's directory inside a replica's pod (the job's pods are not Argo's)."""
+    """An artifact's directory inside a replica's pod (the job's pods are not Argo's); in
+    place of ``templates.artifact_path``, whose signature it keeps."""
     return f"{POD_DATA}/{name}"
 
 
@@ -184,8 +185,7 @@ def release_template() -> Resource:
 def templates(cfg: Config) -> dict:
     """The templates that replace the single train container, and the exit handler."""
     verify = lambda artifact: ["python", "-m", "steps.handoff", "verify",  # noqa: E731
-                               "--artifact", artifact,
-                               "{{inputs.artifacts.%s.path}}" % artifact]
+                               "--artifact", artifact, t.artifact_path(artifact)]
     (dataset,), model = TRAIN_IO.reads, TRAIN_IO.writes
     share = t.step(
         cfg, "share-dataset", "cpu", verify(dataset), resources="handoff",
@@ -202,7 +202,7 @@ def templates(cfg: Config) -> dict:
         retry_strategy=t.retry(cfg), metrics=m.Metrics(prometheus=[
             t.duration_metric(cfg)]))
     collect = t.step(
-        cfg, "collect-model", "cpu", verify("model"), resources="handoff",
+        cfg, "collect-model", "cpu", verify(model), resources="handoff",
         inputs=[Parameter(name="image-tag"), Parameter(name="precision"),
                 S3Artifact(name=model, path=f"{t.DATA}/{model}", key=shared_key(model))],
         outputs=t.step_outputs(cfg, "train"))
