@@ -1,40 +1,82 @@
-"""11. The GPU path: ``steps.train``'s own epoch on a CUDA card, the train step against the
-MONAI loop, and the loader's device-side augmentation.
+"""11. The GPU path: ``steps.train``'s own loop on a CUDA card, its settings against each
+other in interleaved rounds, where the time goes, and the MONAI loop on the same card.
 
-- **Epoch**: the real ``Trainer`` of ``steps.train`` (its DataLoader workers, pinned memory,
-  device-side augmentation and train step) runs one warm-up epoch and one timed epoch at the
-  anchors' batch 64, eager and with ``--cuda-compile``. The time the GPU waits for input is
-  measured with CUDA events: one recorded before the loop asks its loader for the next
-  batch, one as the batch arrives. While the GPU still has queued work the two complete back
-  to back; the gap between them is time the GPU sat idle because the host was waiting for
-  the loader. Reported as a share of the epoch (the target is under 5 %). Baseline: NVIDIA's
-  published nnU-Net 2D figure (1238.68 img/s, 1x A100 80G, AMP, batch 64).
-- **Layout** (:func:`layout_ab`): our train step with channels_last against the contiguous
-  layout, alternating rounds (``steps.devices.CUDA_CHANNELS_LAST`` follows the verdict).
-- **Train step** (``benchmarks.trainstep.gpu_rows``): ours against the MONAI loop at batch 64,
-  mixed precision, both fed on the main thread.
-- **Loader** (``benchmarks.loader.device_rows``): augmentation on the device.
+- **Variants** (:data:`VARIANTS`): each a ``steps.train`` command line (the default, the
+  previous default, and one lever changed at a time), each in its own process holding the
+  real ``Trainer`` of ``steps.train`` with its DataLoader workers, pinned memory, side-stream
+  prefetch, device-side augmentation and train step. The processes warm up together (a
+  first epoch: workers start, cuDNN tunes, torch.compile compiles; one that is not ready by
+  the budget's warm-up share is left out, with that reason), then take turns: each round
+  every variant runs one timed epoch (**end to end**, data included) and then the same
+  number of steps on one prepared batch (**compute only**), the order rotated every round.
+  Medians and every round are reported. The time the GPU waits for input is measured with
+  CUDA events: one recorded before the loop asks its loader for the next batch, one as the
+  batch arrives; the gap between them is time the GPU sat idle because the host waited.
+- **Profile** (:func:`profile_table`): one epoch of the default and of the previous default
+  under ``torch.profiler``, the top kernels and operators by GPU time.
+- **Train step** (``benchmarks.trainstep.gpu_rows``) and **loader**
+  (``benchmarks.loader.device_rows``), when the budget leaves time: ours against the MONAI
+  loop at batch 64 and the augmentation alone on the device.
 
-With ``--smoke`` the same code runs on the CPU with tiny shapes (the rows say so); the events
-are then absent and only the host's wait is reported.
+Baseline of the headline rows: NVIDIA's published nnU-Net 2D figure (1238.68 img/s, 1x A100
+80G, AMP, batch 64). ``UNET_GPU_BUDGET_S`` (default 420) bounds the whole benchmark's wall
+time, so it fits a lent machine's call. With ``--smoke`` the same code runs on the CPU with
+tiny shapes and two variants (the rows say so); the events are then absent.
 """
 from __future__ import annotations
 
+import itertools
 import json
+import multiprocessing
+import os
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from benchmarks import loader, trainstep
-from benchmarks.common import Row, Settings, dataset_dir, gpu_rows_device, in_child, step_env
+from benchmarks.common import Row, Settings, dataset_dir, gpu_rows_device, step_env
 from benchmarks.trainstep import NVIDIA_A100_AMP_IMG_S, NVIDIA_CARD
+from emulator.s3target import environ
 from steps import devices, train
 
-PROFILE_WORKERS = 8          # train.num_workers of profile cuda_1gpu (config/pipeline.yaml)
+PROFILE_WORKERS = 8          # the cuda_1gpu profile's pod has 8 CPUs (config/pipeline.yaml)
+DEFAULT, BEFORE = "default", "eager"
+# name: (what it is, its steps.train flags beside the defaults, cuDNN's autotuner on). The
+# default is torch.compile mode reduce-overhead (CUDA graphs), contiguous layout, AdamW; each
+# other variant changes one thing, except "eager", the default before (eager, contiguous).
+# Not here: max-autotune-no-cudagraphs (--cuda-compile-mode), whose Triton autotuning of
+# every convolution does not fit a lent machine's call beside the others.
+VARIANTS = {
+    DEFAULT: ("the default", [], True),
+    BEFORE: ("eager (the default before)", ["--cuda-compile", "false"], True),
+    "mode-default": ("torch.compile mode default (no CUDA graphs)",
+                     ["--cuda-compile-mode", "default"], True),
+    "channels-last": ("channels_last layout", ["--cuda-channels-last", "true"], True),
+    "eager-channels-last": ("eager, channels_last layout",
+                            ["--cuda-compile", "false", "--cuda-channels-last", "true"], True),
+    "fused-adamw": ("fused AdamW", ["--optimizer", "fusedadamw"], True),
+    "batch-128": ("batch 128, half the steps", ["--batch-size", "128"], True),
+    "cudnn-heuristics": ("cuDNN's heuristics (its autotuner off)", [], False),
+    "fp16-eager": ("fp16 with its GradScaler, eager",
+                   ["--precision", "fp16", "--cuda-compile", "false"], True),
+}
+SMOKE_VARIANTS = (DEFAULT, BEFORE)
+
+
+def chosen_variants(smoke: bool) -> tuple[str, ...]:
+    """``UNET_GPU_VARIANTS`` (comma-separated names of :data:`VARIANTS`), else all of them
+    (with ``--smoke``: the default and the previous default)."""
+    names = tuple(n for n in os.environ.get("UNET_GPU_VARIANTS", "").split(",") if n)
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise ValueError(f"UNET_GPU_VARIANTS: unknown variant {unknown[0]!r} "
+                         f"(known: {', '.join(VARIANTS)})")
+    return names or (SMOKE_VARIANTS if smoke else tuple(VARIANTS))
 
 
 def _trainer_class():
@@ -68,57 +110,248 @@ def _trainer_class():
     return InputTimedTrainer
 
 
-def epoch_profile(dataset: Path, device: str, batch: int, steps: int, workers: int,
-                  filters: int, levels: int, compiled: bool, channels_last: bool = True) -> dict:
-    """One warm-up epoch (the loader's workers start, cuDNN tunes, torch.compile compiles),
-    then one timed epoch of ``steps.train``'s loop: img/s, and the GPU's and the host's wait
-    for input (seconds and share of the epoch)."""
-
-    devices.CUDA_CHANNELS_LAST = channels_last
-    with tempfile.TemporaryDirectory() as scratch:
-        args = train.build_parser().parse_args([
-            "--dataset", str(dataset), "--model", str(Path(scratch) / "model"),
-            "--device", device, "--precision", "auto", "--batch-size", str(batch),
-            "--num-workers", str(workers), "--steps-per-epoch", str(steps),
-            "--max-epochs", "2", "--base-filters", str(filters), "--levels", str(levels),
-            "--cuda-compile", "true" if compiled else "false"])
-        trainer = _trainer_class()(train.preflight(args), 0, 1, 0)
+def _trainer(spec: dict):
+    """The variant's ``Trainer`` for ``spec`` (dataset, device, flags, steps, epochs...)."""
+    scratch = tempfile.mkdtemp(prefix="unet-gpu-variant-")
+    argv = ["--dataset", spec["dataset"], "--model", str(Path(scratch) / "model"),
+            "--device", spec["device"], "--batch-size", str(spec["batch"]),
+            "--num-workers", str(spec["workers"]), "--steps-per-epoch", str(spec["steps"]),
+            "--max-epochs", str(spec["epochs"]), "--base-filters", str(spec["filters"]),
+            "--levels", str(spec["levels"]), *spec["flags"]]
+    args = train.build_parser().parse_args(argv)
+    trainer = _trainer_class()(train.preflight(args), 0, 1, 0)
     trainer.waits = []
-    trainer.run_epoch()
+    if trainer.info.kind == "cuda":
+        torch.backends.cudnn.benchmark = spec["cudnn_benchmark"]
+    return trainer
+
+
+def timed_epoch(trainer) -> dict:
+    """One epoch of ``Trainer.run_epoch`` (end to end): img/s and the input waits."""
     progress = trainer.progress
-    progress.epoch, progress.epoch_loss, progress.epoch_steps = 1, 0.0, 0
+    progress.epoch_loss, progress.epoch_steps = 0.0, 0
     trainer.waits = []
     epoch = trainer.run_epoch()
+    progress.epoch += 1
     devices.synchronize(trainer.info)
-    trainer.batches = None                       # the loader's workers stop
     gpu = [b.elapsed_time(a) / 1e3 for _, b, a in trainer.waits if b is not None]
     host = sum(w for w, _, _ in trainer.waits)
-    return {"img_per_s": epoch["img_per_s"], "seconds": epoch["seconds"], "steps": steps,
-            "workers": workers, "host_wait_s": host, "host_wait_share": host / epoch["seconds"],
-            "gpu_wait_s": sum(gpu) if gpu else None,
+    return {"img_per_s": epoch["img_per_s"], "seconds": epoch["seconds"],
+            "loss": epoch["loss"], "host_wait_share": host / epoch["seconds"],
             "gpu_wait_share": sum(gpu) / epoch["seconds"] if gpu else None}
 
 
-def ours_in_layout(channels_last: bool, *args) -> tuple[float, float]:
-    """``benchmarks.trainstep.run_ours`` with the CUDA memory layout chosen."""
+def compute_only(trainer, steps: int) -> dict:
+    """``steps`` train steps of the variant on one prepared device batch: img/s."""
+    info = trainer.info
+    images, labels = train.device_batch(*trainer.sampler(0), info, 0)
+    step = lambda: train.train_step(trainer.train_forward, trainer.loss_fn,  # noqa: E731
+                                    trainer.optimizer, trainer.scheduler, trainer.scaler,
+                                    info, images, labels)
+    for _ in range(3):
+        step()
+    devices.synchronize(info)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    devices.synchronize(info)
+    seconds = time.perf_counter() - start
+    return {"img_per_s": steps * trainer.local_batch / seconds, "seconds": seconds}
 
-    devices.CUDA_CHANNELS_LAST = channels_last
-    return trainstep.run_ours(*args)
+
+def profile_table(trainer, steps: int = 15, rows: int = 25) -> str:
+    """``steps`` steps of the loop (batches from the loader, end to end) under
+    torch.profiler: the top ``rows`` operators and kernels by device time, and the wall time
+    beside the device's busy time."""
+    info = trainer.info
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if info.kind == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    devices.synchronize(info)
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        for images, labels in itertools.islice(trainer.batches, steps):
+            train.train_step(trainer.train_forward, trainer.loss_fn, trainer.optimizer,
+                             trainer.scheduler, trainer.scaler, info, images, labels)
+        devices.synchronize(info)
+    wall = time.perf_counter() - start
+    trainer.progress.step += steps
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e6 \
+        if info.kind == "cuda" else float("nan")
+    head = (f"{steps} steps: {wall:.3f} s wall under the profiler; device busy {busy:.3f} s "
+            "(sum of kernel self times)\n")
+    sort = "cuda_time_total" if info.kind == "cuda" else "cpu_time_total"
+    return head + events.table(sort_by=sort, row_limit=rows, max_name_column_width=60)
 
 
-def layout_ab(settings: Settings, device: str, rounds: int = 2) -> dict:
-    """Our train step (compute only and end to end) with channels_last and with the default
-    contiguous layout, alternating rounds in fresh processes; medians and every round."""
-    args = (dataset_dir(settings, "default"), settings.patch, settings.gpu_batch,
-            settings.gpu_train_steps, settings.base_filters, settings.levels, device)
-    by_layout = {"channels_last": [], "contiguous": []}
-    for _ in range(rounds):
-        for layout in by_layout:
-            by_layout[layout].append(in_child(ours_in_layout, layout == "channels_last", *args,
-                                              env=step_env())[0])
-    return {layout: {"end_to_end": float(np.median([r[0] for r in runs])),
-                     "compute_only": float(np.median([r[1] for r in runs])), "rounds": runs}
-            for layout, runs in by_layout.items()}
+def _variant_process(conn, spec: dict) -> None:
+    """A variant's process: build and warm its trainer, then answer the parent's requests
+    ("epoch", "compute", "profile", "stop") until told to stop."""
+    try:
+        started = time.perf_counter()
+        trainer = _trainer(spec)
+        warm = timed_epoch(trainer)
+        conn.send(("ready", {"warmup_s": time.perf_counter() - started,
+                             "first_step_s": trainer.first_step_s,
+                             "warmup_epoch_img_per_s": warm["img_per_s"]}))
+        while True:
+            request = conn.recv()
+            if request == "stop":
+                break
+            result = (timed_epoch(trainer) if request == "epoch" else
+                      compute_only(trainer, spec["steps"]) if request == "compute" else
+                      profile_table(trainer))
+            conn.send(("ok", result))
+        trainer.batches = None
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which goes on
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"))
+
+
+class Variant:
+    """The parent's handle on one variant process."""
+
+    def __init__(self, name: str, spec: dict, env: dict[str, str]):
+        self.name, self.error = name, None
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        with environ(env):
+            # not a daemon: its DataLoader starts worker processes of its own
+            self.process = context.Process(target=_variant_process, args=(child, spec))
+            self.process.start()
+        child.close()
+        self.ready = None
+
+    def wait_ready(self, deadline: float) -> bool:
+        try:
+            if self.conn.poll(max(0.0, deadline - time.monotonic())):
+                status, value = self.conn.recv()
+                if status == "ready":
+                    self.ready = value
+                    return True
+                self.error = value
+            else:
+                self.error = "not ready within the warm-up budget"
+        except EOFError:
+            self.error = f"the process ended (exit {self.process.exitcode})"
+        print(f"gpu: variant {self.name} left out: {self.error}", file=sys.stderr, flush=True)
+        self.stop()
+        return False
+
+    def ask(self, request: str):
+        try:
+            self.conn.send(request)
+            status, value = self.conn.recv()
+        except (EOFError, OSError) as exc:
+            status, value = "error", f"the process ended ({type(exc).__name__})"
+        if status != "ok":
+            raise RuntimeError(f"variant {self.name}: {value}")
+        return value
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.conn.send("stop")
+            except OSError:
+                pass
+            self.process.join(20)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
+
+
+def _spec(settings: Settings, device: str, dataset: Path, flags: list[str],
+          cudnn_benchmark: bool, rounds: int) -> dict:
+    """What a variant process builds: its flags after the common ones (a later flag wins),
+    and as many steps per epoch as give every variant the same samples per epoch."""
+    batch = int(flags[flags.index("--batch-size") + 1]) if "--batch-size" in flags \
+        else settings.gpu_batch
+    samples = (4 if settings.smoke else 60) * settings.gpu_batch
+    return {"dataset": str(dataset), "device": device, "batch": batch,
+            "steps": max(1, samples // batch), "epochs": rounds + 3,
+            "workers": 2 if settings.smoke else PROFILE_WORKERS,
+            "filters": settings.base_filters, "levels": settings.levels, "flags": flags,
+            "cudnn_benchmark": cudnn_benchmark}
+
+
+def variants_ab(settings: Settings, device: str, budget_s: float, rounds: int = 3) -> dict:
+    """Every variant warmed up together, then ``rounds`` interleaved rounds of (end to end
+    epoch, compute only), and the profiles; what did not fit ``budget_s`` is left out."""
+    begin = time.monotonic()
+    names = chosen_variants(settings.smoke)
+    dataset = dataset_dir(settings, "default")
+    env = {**step_env(), "TORCHINDUCTOR_COMPILE_THREADS": "4"}
+    handles = [Variant(name, _spec(settings, device, dataset, *VARIANTS[name][1:], rounds),
+                       env) for name in names]
+    try:
+        warm_deadline = begin + 0.55 * budget_s
+        ready = [v for v in handles if v.wait_ready(warm_deadline)]
+        by_round: dict[str, dict[str, list]] = {v.name: {"end_to_end": [], "compute_only": [],
+                                                         "epochs": []} for v in ready}
+        per_round_s = None
+        for r in range(rounds if ready else 0):
+            round_start = time.monotonic()
+            if per_round_s and round_start + per_round_s > begin + 0.9 * budget_s:
+                break
+            for v in ready[r % len(ready):] + ready[:r % len(ready)]:
+                if v.error:
+                    continue
+                try:
+                    epoch = v.ask("epoch")
+                    by_round[v.name]["epochs"].append(epoch)
+                    by_round[v.name]["end_to_end"].append(epoch["img_per_s"])
+                    by_round[v.name]["compute_only"].append(v.ask("compute")["img_per_s"])
+                except RuntimeError as exc:
+                    v.error = str(exc)
+            per_round_s = time.monotonic() - round_start
+            print(f"gpu: round {r + 1}: " + json.dumps(
+                {n: [d["end_to_end"][-1:], d["compute_only"][-1:]] for n, d in by_round.items()}),
+                file=sys.stderr, flush=True)
+        profiles = {}
+        for v in ready:
+            if v.name in (DEFAULT, BEFORE) and not v.error and \
+                    time.monotonic() < begin + 0.95 * budget_s:
+                try:
+                    profiles[v.name] = v.ask("profile")
+                except RuntimeError as exc:
+                    v.error = str(exc)
+    finally:
+        for v in handles:
+            v.stop()
+    results = {}
+    for v in handles:
+        runs = by_round.get(v.name, {"end_to_end": [], "compute_only": [], "epochs": []})
+        done = bool(runs["end_to_end"]) and bool(runs["compute_only"])
+        results[v.name] = {
+            "what": VARIANTS[v.name][0], "flags": VARIANTS[v.name][1],
+            "cudnn_benchmark": VARIANTS[v.name][2],
+            "end_to_end": float(np.median(runs["end_to_end"])) if done else None,
+            "compute_only": float(np.median(runs["compute_only"])) if done else None,
+            "rounds": runs, "warmup": v.ready, "error": v.error}
+    return {"variants": results, "profiles": profiles, "rounds": rounds,
+            "seconds": time.monotonic() - begin}
+
+
+def _rows(ab: dict, where: str) -> list[Row]:
+    variants = ab["variants"]
+    default, before = variants[DEFAULT], variants[BEFORE]
+    rows = []
+    if default["end_to_end"]:
+        rows += [Row("gpu", f"steps.train default, end to end (data included), img/s, {where}",
+                     "img/s", default["end_to_end"], NVIDIA_A100_AMP_IMG_S,
+                     f"NVIDIA's published figure ({NVIDIA_CARD})", ">= 2.018"),
+                 Row("gpu", f"steps.train default, end to end / compute only, {where}",
+                     "ratio", default["end_to_end"], default["compute_only"],
+                     "the same trainer's compute-only rate", ">= 0.9")]
+    for name, result in variants.items():
+        if name != DEFAULT and result["end_to_end"] and default["end_to_end"]:
+            rows.append(Row("gpu", f"default vs {result['what']}, end to end, {where}",
+                            "img/s", default["end_to_end"], result["end_to_end"],
+                            result["what"]))
+    if before["compute_only"] and default["compute_only"]:
+        rows.append(Row("gpu", f"default vs {before['what']}, compute only, {where}", "img/s",
+                        default["compute_only"], before["compute_only"], before["what"]))
+    return rows
 
 
 def run(settings: Settings) -> dict:
@@ -126,30 +359,20 @@ def run(settings: Settings) -> dict:
     if chosen is None:
         return {"rows": [], "details": {"why": "no GPU on this machine"}}
     device, name = chosen
-    dataset, env = dataset_dir(settings, "default"), step_env()
-    steps, workers = (4, 2) if settings.smoke else (100, PROFILE_WORKERS)
-    where = f"batch {settings.gpu_batch}, {workers} workers, {name}"
-    rows, details = [], {"device": name, "batch": settings.gpu_batch, "epochs": {}}
-    for compiled in (False, True):
-        label = "torch.compile" if compiled else "eager"
-        epoch, _ = in_child(epoch_profile, dataset, device, settings.gpu_batch, steps, workers,
-                            settings.base_filters, settings.levels, compiled, env=env)
-        details["epochs"][label] = epoch
-        print(f"gpu: epoch {label}: {json.dumps(epoch)}", file=sys.stderr, flush=True)
-        rows.append(Row("gpu", f"steps.train epoch img/s, {label}, {where}", "img/s",
-                        epoch["img_per_s"], NVIDIA_A100_AMP_IMG_S,
-                        f"NVIDIA's published figure ({NVIDIA_CARD})"))
-    layouts = layout_ab(settings, device, rounds=1 if settings.smoke else 2)
-    details["layout_ab"] = layouts
-    rows += [Row("gpu", f"channels_last img/s {what}, batch {settings.gpu_batch}, {name}",
-                 "img/s", layouts["channels_last"][what.replace(" ", "_")],
-                 layouts["contiguous"][what.replace(" ", "_")],
-                 "the contiguous layout (steps.devices.CUDA_CHANNELS_LAST off)")
-             for what in ("compute only", "end to end")]
+    budget = float(os.environ.get("UNET_GPU_BUDGET_S", "420"))
+    begin = time.monotonic()
+    where = f"batch {settings.gpu_batch}, {name}"
+    ab = variants_ab(settings, device, budget, rounds=1 if settings.smoke else 3)
+    for variant, result in ab["variants"].items():
+        summary = {k: result[k] for k in ("end_to_end", "compute_only", "warmup", "error")}
+        print(f"gpu: {variant}: {json.dumps(summary)}", file=sys.stderr, flush=True)
+    details = {"device": name, "batch": settings.gpu_batch, "ab": ab}
+    rows = _rows(ab, where)
     for part in (trainstep.gpu_rows, loader.device_rows):
+        if time.monotonic() - begin > 0.85 * budget:
+            details[part.__module__.rsplit(".", 1)[-1]] = "left out: the budget was spent"
+            continue
         part_rows, part_details = part(settings, device, name)
         rows += part_rows
         details[part.__module__.rsplit(".", 1)[-1]] = part_details
-        print(f"gpu: {part.__module__}: {json.dumps(part_details)}", file=sys.stderr, flush=True)
-    details["wait_target_share"] = 0.05
     return {"rows": rows, "details": details}

@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
-# The CUDA acceptance run in one call on a lent GPU machine (about 9 minutes on an H200):
+# The CUDA acceptance run in one call on a lent GPU machine (about 9 minutes):
 #
-#   bash benchmarks/gpu_session.sh OUT_DIR
+#   bash benchmarks/gpu_session.sh OUT_DIR [SECONDS]
 #
-# 1. python -m steps.device_check on CUDA: eager and torch.compile, 1 device, batch 32 (its
-#    fp32 CPU reference at batch 64 took most of a 150 s limit on a 16-core host);
-# 2. python -m benchmarks gpu: steps.train's own epoch (eager and --cuda-compile) with the
-#    GPU's wait for input, the memory-layout A/B, ours against the MONAI loop at batch 64,
-#    device-side augmentation;
-# 3. steps.train on that GPU (2 short epochs), then steps.convert of its model: ONNX parity
-#    on the CPU.
+# 1. the versions: card, driver, torch, CUDA, cuDNN, host CPU;
+# 2. steps.train by default (torch.compile, channels_last, side-stream prefetch) with a
+#    checkpoint store, from empty compile caches: its first step cold and its epochs;
+# 3. the same run retried as an Argo retry runs it (a fresh pod: empty local caches, the same
+#    checkpoint store): it resumes and restores the compile cache; its first step warm;
+# 4. python -m benchmarks gpu with what is left of SECONDS (default 560): every variant of
+#    benchmarks.gpu.VARIANTS (fp16 with its GradScaler among them) in interleaved rounds,
+#    end to end and compute only, and the profiles; from the compile caches of stage 2.
+# GPU_EPOCHS (default 2) sets the cold run's epochs, UNET_GPU_VARIANTS the benchmark's variants.
 # Every stage has its own time limit, so the call ends inside the device's 10-minute limit
-# and what finished comes back. benchmarks/results/gpu-nvidia-h200-2026-11-26.json is what
-# its first version gave, and what the stages that did not finish gave in a second call. Expects our dependencies importable (monai, nibabel, pydantic, boto3).
+# and what finished comes back. Expects our dependencies importable (monai, nibabel,
+# pydantic, boto3).
 set -uo pipefail
-out=${1:?usage: gpu_session.sh OUT_DIR}
+out=${1:?usage: gpu_session.sh OUT_DIR [SECONDS]}
+total=${2:-560}
 work=${GPU_WORK:-/tmp/unet-gpu}
 export PYTHONUNBUFFERED=1
 mkdir -p "$out" "$work"
@@ -35,15 +38,24 @@ stage() {   # stage NAME SECONDS COMMAND...: run it, log it, say how it ended
   > "$out/env.txt" 2>&1
 cat "$out/env.txt"
 
-stage device_check 150 python3 -m steps.device_check --device cuda --batch 32 --steps 15 \
-  --warmup 5 --json "$out/device_check.json"
-stage benchmark 330 python3 -m benchmarks gpu --workdir "$work" --out "$out/gpu-benchmark.json"
+stage dataset 120 python3 -c "import sys; from pathlib import Path
+from benchmarks.common import Settings, dataset_dir
+print(dataset_dir(Settings.make(False, Path(sys.argv[1]))))" "$work"
 dataset="$work/dataset-default"
-stage train 70 python3 -m steps.train --dataset "$dataset" --model "$work/model" \
-  --device cuda --batch-size 64 --max-epochs 2 --steps-per-epoch 100 --num-workers 8
-stage convert 100 python3 -m steps.convert --model "$work/model" --dataset "$dataset" \
-  --exported "$work/exported"
-cp "$work/model/metrics.json" "$out/train-metrics.json" 2>/dev/null
-cp "$work/exported/model-card.json" "$out/model-card.json" 2>/dev/null
-grep -E "^(== |epoch [0-9]+:|error)|img/s|device_check:|parity" "$log" | grep -v "it/s\]" \
-  | tail -n 60
+train=(python3 -m steps.train --dataset "$dataset" --device cuda --batch-size 64
+       --num-workers 8)
+epochs=${GPU_EPOCHS:-2}   # of the cold run; the retry adds one
+stage cold 200 env TORCHINDUCTOR_CACHE_DIR="$work/inductor-a" TRITON_CACHE_DIR="$work/triton-a" \
+  "${train[@]}" --model "$work/model-a" --max-epochs "$epochs" --steps-per-epoch 150 \
+  --checkpoint-uri "$work/checkpoints"
+stage retry 100 env TORCHINDUCTOR_CACHE_DIR="$work/inductor-b" TRITON_CACHE_DIR="$work/triton-b" \
+  "${train[@]}" --model "$work/model-b" --max-epochs $((epochs + 1)) --steps-per-epoch 150 \
+  --checkpoint-uri "$work/checkpoints"
+left=$((total - SECONDS - 30))
+stage benchmark $((left + 25)) env UNET_GPU_BUDGET_S="$left" \
+  TORCHINDUCTOR_CACHE_DIR="$work/inductor-a" TRITON_CACHE_DIR="$work/triton-a" \
+  python3 -m benchmarks gpu --workdir "$work" --out "$out/gpu-benchmark.json"
+for run in model-a model-b; do
+  cp "$work/$run/metrics.json" "$out/metrics-$run.json" 2>/dev/null
+done
+grep -E "^(== |epoch [0-9]+:|error|train: |gpu: )|img/s" "$log" | grep -v "it/s\]" | tail -n 80

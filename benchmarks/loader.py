@@ -139,7 +139,8 @@ def run_on_device(dataset, patch, batch: int, batches: int, device: str) -> dict
 
     def on_device(step: int, images, labels):
         seed = torch_seed(0, step, 0)
-        augment(devices.to_device(images, info), devices.host_to_device(labels, info.device),
+        augment(devices.to_device(images, info),
+                devices.host_to_device(labels, info.device, torch.long),
                 seed, devices.device_generator(info, seed), inplace=True)
 
     def rate(one_batch) -> float:

@@ -81,7 +81,7 @@ def run_ours(dataset, patch, batch: int, steps: int, filters: int, levels: int,
         images, labels = sampler(i)
         seed = torch_seed(0, i, 0)
         return augment(devices.to_device(images, info),
-                       devices.host_to_device(labels, info.device), seed,
+                       devices.host_to_device(labels, info.device, torch.long), seed,
                        devices.device_generator(info, seed), inplace=True)
 
     def step(images, labels):

@@ -131,14 +131,22 @@ class CheckpointStore:
         finally:
             os.close(dir_fd)
 
-    def read_bytes(self, name: str) -> bytes | None:
+    def read_bytes(self, name: str, limit: int | None = None) -> bytes | None:
+        """The file ``name``, or None when absent; one larger than ``limit`` bytes is a
+        StepError, found before it is read."""
         if self.s3:
             storage = _storage()
             if not storage.exists(self._join(name)):
                 return None
-            return storage.get_bytes(self._join(name))
+            return storage.get_bytes(self._join(name), limit=limit)
         path = Path(self._join(name))
-        return path.read_bytes() if path.is_file() else None
+        if not path.is_file():
+            return None
+        with path.open("rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if limit is not None and size > limit:
+                raise StepError(f"{path} is {size} bytes, more than the {limit} allowed")
+            return handle.read()
 
     def names(self) -> list[str]:
         if self.s3:

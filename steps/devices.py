@@ -30,13 +30,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from steps import limits
 from steps.errors import StepError
-from steps.params import DEVICE_KINDS, HPU_MODES, OPTIMIZERS, PRECISIONS
+from steps.params import (CUDA_COMPILE_MODES, DEVICE_KINDS, HPU_MODES, OPTIMIZERS,
+                          PRECISIONS)
 
 BACKENDS = {"hpu": "hccl", "cuda": "nccl", "cpu": "gloo"}
-# channels_last on CUDA lost to the contiguous layout in interleaved A/B runs of our train
-# step on an H200 (eager, bf16, batch 64: 1701 vs 2136 img/s compute only; DynUNet's
-# instance norm): off. benchmarks.gpu.layout_ab measures it again on every GPU run.
-CUDA_CHANNELS_LAST = False
 JEMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
                   "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
@@ -49,6 +46,7 @@ class DeviceInfo:
     device: torch.device
     dtype: torch.dtype | None
     hpu_mode: str = "eager"   # only meaningful for kind == "hpu"
+    channels_last: bool = False   # 4D images and the model in channels_last (CUDA only)
 
     @property
     def backend(self) -> str:
@@ -168,8 +166,10 @@ def autocast_dtype(kind: str, precision: str) -> torch.dtype | None:
 
 
 def select_device(requested: str = "auto", precision: str = "auto",
-                  hpu_mode: str = "compile", local_rank: int = 0) -> DeviceInfo:
-    """Choose the device for this process (``local_rank`` picks the GPU under DDP)."""
+                  hpu_mode: str = "compile", local_rank: int = 0,
+                  channels_last: bool = False) -> DeviceInfo:
+    """Choose the device for this process (``local_rank`` picks the GPU under DDP);
+    ``channels_last`` applies on CUDA only."""
     kind = resolve_kind(requested, hpu_mode)
     if kind == "cuda":
         device = torch.device("cuda", local_rank)
@@ -177,7 +177,8 @@ def select_device(requested: str = "auto", precision: str = "auto",
     else:
         device = torch.device(kind)
     return DeviceInfo(kind=kind, device=device, dtype=autocast_dtype(kind, precision),
-                      hpu_mode=hpu_mode if kind == "hpu" else "eager")
+                      hpu_mode=hpu_mode if kind == "hpu" else "eager",
+                      channels_last=channels_last and kind == "cuda")
 
 
 def load_backend(info: DeviceInfo) -> str:
@@ -219,59 +220,75 @@ def configure_backends(info: DeviceInfo) -> None:
 
 def host_to_device(tensor: torch.Tensor, device: torch.device,
                    dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A small host tensor on the device without stalling the host: on CUDA a copy from
-    pageable memory (or a blocking one) waits for every kernel queued before it, so the
-    tensor goes through pinned memory and the copy stays in the stream's order."""
+    """A host tensor on the device without stalling the host: on CUDA a copy from pageable
+    memory (or a blocking one) waits for every kernel queued before it, so the tensor goes
+    through pinned memory and the copy stays in the stream's order. On CUDA the bytes travel
+    in their own dtype and are converted on the device (ATen's copy would convert on the
+    host first: uint8 labels would cross the bus as int64, 8x the bytes)."""
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device, dtype)
     if not tensor.is_pinned():
         tensor = tensor.pin_memory()
-    return tensor.to(device, dtype, non_blocking=True)
+    return tensor.to(device, non_blocking=True).to(dtype or tensor.dtype)
 
 
 def prepare_model(model: torch.nn.Module, info: DeviceInfo) -> torch.nn.Module:
-    """Move ``model`` to the device (channels_last on CUDA if :data:`CUDA_CHANNELS_LAST`)."""
+    """Move ``model`` to the device (channels_last where ``info`` says so)."""
     model = model.to(info.device)
-    if info.kind == "cuda" and CUDA_CHANNELS_LAST:
+    if info.channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model
 
 
 def compile_for_device(module: torch.nn.Module, info: DeviceInfo,
-                       compile_cuda: bool = False) -> torch.nn.Module:
+                       compile_cuda: bool = False,
+                       cuda_mode: str = "default") -> torch.nn.Module:
     """What the loop calls: ``torch.compile(backend="hpu_backend", dynamic=False)`` in HPU
     compile mode (static shapes, as Habana's reference: the loop feeds one training shape
-    and one validation shape), optionally ``torch.compile`` on CUDA, else ``module``."""
+    and one validation shape), ``torch.compile(mode=cuda_mode, dynamic=False)`` on CUDA when
+    ``compile_cuda`` (the training batch has one shape), else ``module``."""
     if info.kind == "hpu" and info.hpu_mode == "compile":
         return torch.compile(module, backend="hpu_backend", dynamic=False)
     if info.kind == "cuda" and compile_cuda:
-        return torch.compile(module)
+        if cuda_mode not in CUDA_COMPILE_MODES:
+            raise StepError(f"--cuda-compile-mode must be one of "
+                            f"{', '.join(CUDA_COMPILE_MODES)}, got '{cuda_mode}'")
+        return torch.compile(module, mode=cuda_mode, dynamic=False)
     return module
 
 
 def to_device(tensor: torch.Tensor, info: DeviceInfo) -> torch.Tensor:
-    """Host batch → device (4D images channels_last on CUDA if :data:`CUDA_CHANNELS_LAST`)."""
+    """Host batch → device (4D images in channels_last where ``info`` says so)."""
     tensor = host_to_device(tensor, info.device)
-    if info.kind == "cuda" and CUDA_CHANNELS_LAST and tensor.dim() == 4:
+    if info.channels_last and tensor.dim() == 4:
         tensor = tensor.contiguous(memory_format=torch.channels_last)
     return tensor
 
 
 def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float,
                    weight_decay: float, info: DeviceInfo) -> torch.optim.Optimizer:
-    """AdamW / SGD (momentum 0.99, Nesterov, as nnU-Net) / Habana FusedAdamW (eps 1e-8)."""
+    """AdamW / SGD (momentum 0.99, Nesterov, as nnU-Net) / a fused AdamW (eps 1e-8):
+    Habana's FusedAdamW on an HPU, torch's single-kernel ``AdamW(fused=True)`` on CUDA."""
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, eps=1e-8)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, momentum=0.99,
                                nesterov=True)
     if name == "fusedadamw":
-        if info.kind != "hpu":
-            raise StepError(f"--optimizer fusedadamw needs --device hpu (Habana FusedAdamW), "
-                            f"this run is on {info.kind}")
+        check_fused_optimizer(info.kind)
+        if info.kind == "cuda":
+            return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, eps=1e-8,
+                                     fused=True)
         optimizers = importlib.import_module("habana_frameworks.torch.hpex.optimizers")
         return optimizers.FusedAdamW(params, lr=lr, weight_decay=weight_decay, eps=1e-8)
     raise StepError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got '{name}'")
+
+
+def check_fused_optimizer(kind: str) -> None:
+    """``--optimizer fusedadamw`` exists on an HPU (Habana's) and on CUDA (torch's)."""
+    if kind not in ("hpu", "cuda"):
+        raise StepError(f"--optimizer fusedadamw needs --device hpu or cuda (a fused AdamW "
+                        f"kernel), this run is on {kind}")
 
 
 def mark_step(info: DeviceInfo) -> None:

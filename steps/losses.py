@@ -17,28 +17,36 @@ absent from both target and prediction scores 1, absent from the target only 0.
 from __future__ import annotations
 
 import torch
-from monai.losses import DiceCELoss
+import torch.nn.functional as F
+
+SMOOTH = 1e-5   # MONAI DiceLoss's smooth_nr and smooth_dr defaults
 
 
 class DeepSupervisionLoss(torch.nn.Module):
-    """``forward(logits, labels)``: logits (N, C, H, W) or (N, 1 + heads, C, H, W); labels (N, H, W)."""
+    """``forward(logits, labels)``: logits (N, C, H, W) or (N, 1 + heads, C, H, W), labels
+    (N, H, W) int64 → the weighted mean over heads of Dice + CE, a scalar float32.
 
-    def __init__(self):
-        super().__init__()
-
-        self.dice_ce = DiceCELoss(include_background=False, to_onehot_y=True, softmax=True,
-                                  batch=True)
-
-    def head_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.dice_ce(logits.float(), labels[:, None])
+    Per head it is MONAI's ``DiceCELoss(include_background=False, to_onehot_y=True,
+    softmax=True, batch=True)`` (``tests/test_train_units.py`` holds it to MONAI's to 1e-6),
+    written with tensor operations alone and for every head at once: torch.compile makes it
+    one graph of a few fused kernels (MONAI's builds its reduction axes with ``.tolist()``, a
+    graph break per head) and eager runs a third of the kernels.
+    """
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if logits.dim() == 4:
-            return self.head_loss(logits, labels)
-        heads = logits.shape[1]
-        weights = [0.5 ** i for i in range(heads)]
-        total = sum(w * self.head_loss(logits[:, i], labels) for i, w in enumerate(weights))
-        return total / sum(weights)
+            logits = logits[:, None]
+        heads, classes = logits.shape[1], logits.shape[2]
+        log_p = torch.log_softmax(logits.float(), dim=2)                  # (N, K, C, H, W)
+        index = labels[:, None, None].expand(-1, heads, 1, -1, -1)         # (N, K, 1, H, W)
+        cross_entropy = -log_p.gather(2, index).mean(dim=(0, 2, 3, 4))     # (K,)
+        target = F.one_hot(labels, classes).permute(0, 3, 1, 2)[:, None, 1:].to(log_p.dtype)
+        p = log_p[:, :, 1:].exp()                                          # no background
+        overlap = (p * target).sum(dim=(0, 3, 4))                          # (K, C - 1)
+        total = p.sum(dim=(0, 3, 4)) + target.sum(dim=(0, 3, 4))
+        dice = 1 - (2 * overlap + SMOOTH) / (total + SMOOTH)
+        weights = 0.5 ** torch.arange(heads, device=logits.device, dtype=log_p.dtype)
+        return ((dice.mean(dim=1) + cross_entropy) * weights).sum() / weights.sum()
 
 
 def dice_per_class(prediction: torch.Tensor, target: torch.Tensor,

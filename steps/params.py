@@ -27,6 +27,7 @@ DEVICE_KINDS = ("auto", "hpu", "cuda", "cpu")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 HPU_MODES = ("compile", "lazy", "eager")
 OPTIMIZERS = ("adamw", "fusedadamw", "sgd")
+CUDA_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 N_FOLDS = 5
 OUTPUTS_DIR = "argo-outputs"   # under an output artifact: one small text file per value
 MAX_SIDE = 4096                # largest patch H or W; the exported programs accept up to it
@@ -152,8 +153,20 @@ TRAIN = (
     Param("hpu_mode", str, "compile", choices=HPU_MODES,
           help="Gaudi execution: torch.compile(hpu_backend) with PT_HPU_LAZY_MODE=0, lazy "
                "mode with mark_step, or eager"),
-    Param("cuda_compile", bool, False,
-          help="torch.compile the network on a CUDA GPU (elsewhere: no effect)"),
+    Param("cuda_compile", bool, True,
+          help="torch.compile the network and the loss on a CUDA GPU (false: eager; "
+               "elsewhere: no effect)"),
+    Param("cuda_compile_mode", str, "reduce-overhead", choices=CUDA_COMPILE_MODES,
+          help="torch.compile mode on CUDA: reduce-overhead (fused kernels replayed as CUDA "
+               "graphs), default (fused kernels) or max-autotune-no-cudagraphs (autotuned "
+               "Triton templates)"),
+    Param("cuda_channels_last", bool, False,
+          help="the channels_last memory layout for the network and its batches on CUDA "
+               "(false: contiguous, measured faster)"),
+    Param("compile_cache", bool, True, shapes_output=False,
+          help="save torch.compile's caches beside the checkpoints (--checkpoint-uri) after "
+               "the first step and load them on a retry or resume, so it does not compile "
+               "again; the cache holds generated code: only the run's own store is read"),
     Param("num_workers", int, 2, ge=0,
           help="DataLoader worker processes building batches (0: in process); at most each "
                "rank's share of the step's CPUs (cgroup quota, affinity or UNET_CPUS) less "
@@ -174,7 +187,8 @@ TRAIN = (
     Param("learning_rate", float, 1e-3, gt=0, le=1, ui=True, help="peak learning rate"),
     Param("weight_decay", float, 1e-4, ge=0, help="AdamW/SGD weight decay"),
     Param("optimizer", str, "adamw", choices=OPTIMIZERS, ui=True,
-          help="adamw, sgd, or Habana's FusedAdamW (hpu only)"),
+          help="adamw, sgd, or a fused AdamW (Habana's FusedAdamW on hpu, torch's fused "
+               "kernel on cuda)"),
     Param("min_epochs", int, 1, ge=0, ui=True,
           help="epochs before early stopping may end training"),
     Param("max_epochs", int, 100, ge=1, ui=True, help="stop after this many epochs"),

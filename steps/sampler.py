@@ -143,7 +143,9 @@ def _foreground_voxel(rng: np.random.Generator, labels: np.ndarray, tries: int =
 
 
 class SliceSampler:
-    """Builds batch ``step`` for ``rank``: images (B, C, H, W) float32, labels (B, H, W) int64."""
+    """Builds batch ``step`` for ``rank``: images (B, C, H, W) float32, labels (B, H, W)
+    uint8 (the label classes fit a byte; the device widens them, so a batch crosses the
+    worker pipe and the bus with an eighth of the label bytes)."""
 
     def __init__(self, cases: list[Case], patch_size: tuple[int, int], batch: int, seed: int,
                  foreground_p: float = FOREGROUND_P):
@@ -194,7 +196,7 @@ class SliceSampler:
         labels = torch.from_numpy(np.empty((self.batch,) + self.patch_size, np.uint8))
         for i in range(self.batch):
             self._fill(rng, images[i], labels[i])
-        return images, labels.long()   # copied and flipped as bytes, widened once
+        return images, labels
 
 
 class StepDataset(torch.utils.data.Dataset):
@@ -249,6 +251,13 @@ def _zoom(images: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor):
     return images, labels[:, 0].round().long()
 
 
+def _gaussian_kernel(sigma: float) -> list[float]:
+    """The normalised 1D Gaussian of ``sigma`` pixels, truncated at 3 sigma: 2r + 1 taps."""
+    radius = math.ceil(3 * sigma)
+    weights = [math.exp(-0.5 * (j / sigma) ** 2) for j in range(-radius, radius + 1)]
+    return [weight / sum(weights) for weight in weights]
+
+
 def _gaussian_blur(images: torch.Tensor, sigma: float) -> torch.Tensor:
     """Separable Gaussian blur of images (N, C, H, W), truncated at 3 ``sigma``.
 
@@ -256,12 +265,31 @@ def _gaussian_blur(images: torch.Tensor, sigma: float) -> torch.Tensor:
     faster than a grouped conv2d.
     """
     h, w = images.shape[-2:]
-    radius = math.ceil(3 * sigma)
-    weights = [math.exp(-0.5 * (j / sigma) ** 2) for j in range(-radius, radius + 1)]
-    kernel = [weight / sum(weights) for weight in weights]
+    kernel = _gaussian_kernel(sigma)
+    radius = len(kernel) // 2
     mode = "reflect" if min(h, w) > radius else "replicate"
     padded = F.pad(images, (radius,) * 4, mode=mode)                   # (N, C, H+2r, W+2r)
     return _shifted_sum(_shifted_sum(padded, kernel, w, dim=3), kernel, h, dim=2)
+
+
+def _gaussian_blur_batched(images: torch.Tensor, sigmas: list[float]) -> torch.Tensor:
+    """:func:`_gaussian_blur` of each image (N, C, H, W) with its own sigma, in two grouped
+    convolutions: on a GPU two kernels in place of 4r + 2 per image (the launches, not the
+    arithmetic, were its cost). Each image's kernel is zero-padded to the widest radius R;
+    reflecting R pixels gives every tap within an image's own radius the pixel that
+    reflecting its own radius would (same values, another summation order)."""
+    n, c, h, w = images.shape
+    kernels = [_gaussian_kernel(sigma) for sigma in sigmas]
+    radius = max(len(k) for k in kernels) // 2
+    taps = torch.zeros(n, 2 * radius + 1, dtype=images.dtype)
+    for i, kernel in enumerate(kernels):
+        start = radius - len(kernel) // 2
+        taps[i, start:start + len(kernel)] = torch.tensor(kernel, dtype=images.dtype)
+    taps = host_to_device(taps, images.device).repeat_interleave(c, dim=0)   # (N*C, 2R+1)
+    padded = F.pad(images, (radius,) * 4, mode="reflect").reshape(1, n * c, h + 2 * radius,
+                                                                 w + 2 * radius)
+    rows = F.conv2d(padded, taps[:, None, None, :], groups=n * c)        # (1, N*C, H+2R, W)
+    return F.conv2d(rows, taps[:, None, :, None], groups=n * c).reshape(n, c, h, w)
 
 
 def _shifted_sum(x: torch.Tensor, kernel: list[float], length: int, dim: int) -> torch.Tensor:
@@ -309,13 +337,30 @@ def augment(images: torch.Tensor, labels: torch.Tensor, seed: int,
         for i, sample_noise in zip(noisy, noise.to(images.dtype)):
             images[i].add_(sample_noise, alpha=float(std[i]))
     blurred, sigma = picked(spec.blur_p), _uniform(gen, n, *spec.blur_sigma_range)
-    for i in blurred:           # one at a time: each gets the kernel width of its own sigma
-        images[i] = _gaussian_blur(images[i:i + 1], float(sigma[i]))[0]
+    if blurred and device.type != "cpu" and min(images.shape[-2:]) > 3 * max(
+            float(sigma[i]) for i in blurred):
+        rows = host_to_device(torch.tensor(blurred), device)
+        images.index_copy_(0, rows, _gaussian_blur_batched(
+            images.index_select(0, rows), [float(sigma[i]) for i in blurred]))
+    else:
+        for i in blurred:       # one at a time: each gets the kernel width of its own sigma
+            images[i] = _gaussian_blur(images[i:i + 1], float(sigma[i]))[0]
     bright, factor = picked(spec.brightness_p), _uniform(gen, n, *spec.brightness_range)
-    for i in bright:
-        images[i] *= float(factor[i])
+    if bright:
+        rows, scale = _picked_rows(bright, factor, images)
+        images.index_copy_(0, rows, images.index_select(0, rows) * scale)
     contrast, factor = picked(spec.contrast_p), _uniform(gen, n, *spec.contrast_range)
-    for i in contrast:
-        low, high = torch.aminmax(images[i])
-        images[i].mul_(float(factor[i])).clamp_(low, high)
+    if contrast:        # scaled, then clamped to the sample's own range before
+        rows, scale = _picked_rows(contrast, factor, images)
+        chosen = images.index_select(0, rows)
+        low = chosen.amin(dim=(1, 2, 3), keepdim=True)
+        high = chosen.amax(dim=(1, 2, 3), keepdim=True)
+        images.index_copy_(0, rows, torch.minimum(torch.maximum(chosen * scale, low), high))
     return images, labels
+
+
+def _picked_rows(picked: list[int], values: torch.Tensor, images: torch.Tensor):
+    """(the picked rows as an index on ``images``' device, their ``values`` shaped
+    (k, 1, 1, 1) in ``images``' dtype there): a whole transform in a few kernels."""
+    rows = host_to_device(torch.tensor(picked), images.device)
+    return rows, host_to_device(values[picked], images.device, images.dtype).view(-1, 1, 1, 1)

@@ -366,11 +366,23 @@ def put_bytes(data: bytes, uri: str, client=None) -> None:
         s3.put_object(Bucket=bucket, Key=key, Body=data)
 
 
-def get_bytes(uri: str, client=None) -> bytes:
+def get_bytes(uri: str, client=None, limit: int | None = None) -> bytes:
+    """The object's bytes; with ``limit``, an object larger than that is a StorageError
+    (its announced size is checked before the body is read, and the read stops there)."""
     bucket, key = parse_uri(uri)
     s3 = client or client_for(uri)
     with _errors(s3, uri, "reading"):
-        return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+        response = s3.get_object(Bucket=bucket, Key=key)
+        if limit is None:
+            return response["Body"].read()
+        data = b""
+        if response.get("ContentLength", 0) <= limit:
+            data = response["Body"].read(limit + 1)
+        if response.get("ContentLength", 0) > limit or len(data) > limit:
+            response["Body"].close()
+            raise StorageError(f"reading {uri}: the object is larger than the {limit} bytes "
+                               "allowed")
+        return data
 
 
 def upload_file(path: Path | str, uri: str, client=None, *, progress: bool = False,

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from steps import devices, limits, params, schemas, uris
+from steps import compile_cache, devices, limits, params, schemas, uris
 from steps.artifacts import check_disjoint, manifest_digest, publish, write_outputs
 from steps.checkpoints import (CheckpointStore, best_name, check_finite, check_state,
                                serialize)
@@ -194,9 +194,8 @@ def preflight(args: argparse.Namespace) -> Plan:
         raise StepError(f"--devices {args.devices}: only {devices.available_count(kind)} "
                         f"{kind} device(s) present")
     devices.autocast_dtype(kind, args.precision)
-    if args.optimizer == "fusedadamw" and kind != "hpu":
-        raise StepError(f"--optimizer fusedadamw needs --device hpu (Habana FusedAdamW), "
-                        f"this run is on {kind}")
+    if args.optimizer == "fusedadamw":
+        devices.check_fused_optimizer(kind)
     rank, world, _ = dist_env()
     meta = read_metadata(args.dataset, check_hashes=rank == 0 and
                          os.environ.get(_CHECKED_ENV) != "1")
@@ -369,26 +368,65 @@ def lr_factor(step: int, total: int) -> float:
 
 
 def forwards(net: torch.nn.Module, info: devices.DeviceInfo, world: int,
-             compile_cuda: bool = False):
+             compile_cuda: bool = False, cuda_mode: str = "default"):
     """(train, eval) callables: the network compiled first and then wrapped in DDP, as
-    Habana's reference orders them; validation uses the compiled network unwrapped."""
-    compiled = devices.compile_for_device(net, info, compile_cuda)
-    return (devices.wrap_ddp(compiled, info) if world > 1 else compiled), compiled
+    Habana's reference orders them. Validation uses the compiled network unwrapped on an
+    HPU (one static validation shape) and the plain network on CUDA, where every volume's
+    own size would be a new compilation."""
+    compiled = devices.compile_for_device(net, info, compile_cuda, cuda_mode)
+    train_forward = devices.wrap_ddp(compiled, info) if world > 1 else compiled
+    return train_forward, (net if info.kind == "cuda" else compiled)
 
 
 def device_batch(images: torch.Tensor, labels: torch.Tensor, info: devices.DeviceInfo,
                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A host batch on the device, augmented there; in lazy mode the augmentation is
-    flushed as a graph of its own, so the model's graph stays one shape step after step.
-    On an HPU the labels are augmented as int32 (Gaudi's int64 support is limited, its
-    best-practice guide says) and widened once for the loss."""
+    """A host batch (images (N, C, H, W) float32, labels (N, H, W) uint8) on the device,
+    augmented there; in lazy mode the augmentation is flushed as a graph of its own, so the
+    model's graph stays one shape step after step. The labels are widened on the device:
+    to int32 on an HPU for the augmentation (Gaudi's int64 support is limited, its
+    best-practice guide says), and to int64 for the loss."""
 
     on_device = devices.host_to_device(labels, info.device,
-                                       torch.int32 if info.kind == "hpu" else None)
+                                       torch.int32 if info.kind == "hpu" else torch.long)
     images, labels = augment(devices.to_device(images, info), on_device, seed,
                              devices.device_generator(info, seed), inplace=True)
     devices.mark_step(info)
     return images, labels.long()
+
+
+def device_batches(batches, first_step: int, info: devices.DeviceInfo, seed: int,
+                   rank: int):
+    """:func:`device_batch` of each host batch, for steps ``first_step`` onwards.
+
+    On CUDA the next batch's copy and augmentation are queued on a side stream before the
+    current batch is handed over, so they run while the current step computes; the training
+    stream waits on that batch's event alone, and the batch's memory is recorded as in use
+    there (``Tensor.record_stream``) so the side stream cannot reuse it too early."""
+    steps = itertools.count(first_step)
+    if info.kind != "cuda":
+        for step, (images, labels) in zip(steps, batches):
+            yield device_batch(images, labels, info, torch_seed(seed, step, rank))
+        return
+    side, main = torch.cuda.Stream(info.device), torch.cuda.current_stream(info.device)
+    ahead = None
+    for step, (images, labels) in zip(steps, batches):
+        with torch.cuda.stream(side):
+            made = device_batch(images, labels, info, torch_seed(seed, step, rank))
+            made = (made, side.record_event())
+        if ahead is not None:
+            yield _hand_over(ahead, main)
+        ahead = made
+    if ahead is not None:
+        yield _hand_over(ahead, main)
+
+
+def _hand_over(made, stream):
+    """The side stream's ``(tensors, event)`` made usable on ``stream``."""
+    tensors, event = made
+    stream.wait_event(event)
+    for tensor in tensors:
+        tensor.record_stream(stream)
+    return tensors
 
 
 def train_step(forward, loss_fn, optimizer, scheduler, scaler, info: devices.DeviceInfo,
@@ -450,7 +488,8 @@ class Trainer:
 
         args = self.args = plan.args
         self.plan, self.rank, self.world = plan, rank, world
-        self.info = devices.select_device(plan.kind, args.precision, args.hpu_mode, local_rank)
+        self.info = devices.select_device(plan.kind, args.precision, args.hpu_mode, local_rank,
+                                          args.cuda_channels_last)
         if world > 1:
             devices.init_distributed(self.info)
         devices.configure_backends(self.info)
@@ -468,10 +507,14 @@ class Trainer:
 
         self.net = devices.prepare_model(build_model(plan.model_config), self.info)
         self.train_forward, self.eval_forward = forwards(self.net, self.info, world,
-                                                         args.cuda_compile)
+                                                         args.cuda_compile,
+                                                         args.cuda_compile_mode)
         self.val_shape = static_shape(self.val_cases, plan.model_config.size_multiple()) \
             if self.info.kind == "hpu" else None
         self.loss_fn = DeepSupervisionLoss()
+        if self.info.kind == "cuda":   # its softmax, one-hot and sums over 3 heads fuse
+            self.loss_fn = devices.compile_for_device(self.loss_fn, self.info,
+                                                      args.cuda_compile)
         self.optimizer = devices.make_optimizer(args.optimizer, self.net.parameters(),
                                                 args.learning_rate, args.weight_decay,
                                                 self.info)
@@ -479,6 +522,12 @@ class Trainer:
             self.optimizer, lambda s: lr_factor(s, self.total_steps))
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.info.needs_grad_scaler())
         self.store = CheckpointStore(args.checkpoint_uri) if args.checkpoint_uri else None
+        self.compile_cache = compile_cache.CompileCache(
+            self.store, self.info, {**plan.model_config.to_dict(), "batch": self.local_batch,
+                                    "patch": list(plan.meta["patch_size"]),
+                                    "mode": args.cuda_compile_mode}) \
+            if self.store is not None and args.compile_cache and self.compiles() else None
+        self.first_step_s = None      # this process's first step, compilation included
         self.progress = Progress()
         self.batches = None           # the run's batch iterator, made at its first epoch
         self.best_state = None
@@ -526,6 +575,10 @@ class Trainer:
             print(f"resumed from {uri} at epoch {self.progress.epoch}, step "
                   f"{self.progress.step}", file=sys.stderr)
 
+    def compiles(self) -> bool:
+        """Whether the training step runs through Inductor (torch.compile on CUDA)."""
+        return self.info.kind == "cuda" and self.args.cuda_compile
+
     # -- loop -----------------------------------------------------------------------------
     def _loader(self, first_step: int, n_steps: int):
         """Batches of steps ``first_step`` onwards: one loader for the rest of the run, so
@@ -554,12 +607,17 @@ class Trainer:
         images_done = 0
         loss_sum = torch.zeros((), device=info.device)
         if self.batches is None:
-            self.batches = iter(self._loader(p.step, self.total_steps - p.step))
+            if self.compile_cache is not None:
+                self.compile_cache.load()
+            self.batches = device_batches(self._loader(p.step, self.total_steps - p.step),
+                                          p.step, info, args.seed, self.rank)
         for images, labels in itertools.islice(self.batches, remaining):
-            seed = torch_seed(args.seed, p.step, self.rank)
-            images, labels = device_batch(images, labels, info, seed)
+            if self.first_step_s is None:
+                first = time.monotonic()
             loss = train_step(self.train_forward, self.loss_fn, self.optimizer, self.scheduler,
                               self.scaler, info, images, labels)
+            if self.first_step_s is None:
+                self._first_step_done(first)
             loss_sum += loss
             p.step += 1
             p.epoch_steps += 1
@@ -583,6 +641,20 @@ class Trainer:
             p.epoch_loss = float(total) / self.world
         return {"loss": p.epoch_loss / max(p.epoch_steps, 1),
                 "img_per_s": images_done / max(seconds, 1e-9), "seconds": seconds}
+
+    def _first_step_done(self, started: float) -> None:
+        """Time the first step (compilation and cuDNN's tuning included) and keep the
+        compile cache it filled."""
+        devices.synchronize(self.info)
+        self.first_step_s = time.monotonic() - started
+        cache = self.compile_cache
+        if cache is not None and self.rank == 0 and not cache.restored:
+            cache.save()
+        if self.rank == 0:
+            state = "off" if cache is None else "restored" if cache.restored else \
+                "saved" if cache.saved else "not saved"
+            print(f"train: first step {self.first_step_s:.1f} s (compile cache {state})",
+                  file=sys.stderr)
 
     def validate(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         self.net.eval()
@@ -653,7 +725,8 @@ def write_model(plan: Plan, trainer: Trainer, samples: list[dict[str, Any]]) -> 
     metrics = {"epochs": history, "best_epoch": p.best_epoch, "best_mean_dice": p.best_dice,
                "best_dice": best["dice"], "device": trainer.info.kind,
                "precision": trainer.info.precision, "world_size": trainer.world,
-               "steps_per_epoch": trainer.steps_per_epoch, "fold": plan.args.fold}
+               "steps_per_epoch": trainer.steps_per_epoch, "fold": plan.args.fold,
+               "first_step_s": trainer.first_step_s}
     with publish(plan.args.model, "model", STEP, train_config(plan.args)) as out:
         torch.save(model_payload(plan, trainer.best_state, {**metrics, "epoch": best}),
                    out / "best.pt")

@@ -43,16 +43,22 @@ def test_smoke_runs_every_fast_benchmark(tmp_path):
     machine = report["machine"]
     assert machine["cores"] >= 1 and machine["cpu_model"]
     assert machine["versions"]["torch"] and len(machine["load_average_end"]) == 3
-    # The GPU benchmark's code (steps.train's epoch with its input wait, the layout A/B,
-    # device-side augmentation, batch-64 mixed-precision training) runs on the CPU in
-    # --smoke, so it is exercised on a machine without a GPU.
+    # The GPU benchmark's code (steps.train's trainer per variant in its own process, the
+    # interleaved rounds, the input wait, the profile, device-side augmentation, batch-64
+    # mixed-precision training) runs on the CPU in --smoke, so it is exercised without a GPU.
     gpu_rows = [row["metric"] for row in report["benchmarks"]["gpu"]["rows"]]
-    for what in ("steps.train epoch img/s, eager", "torch.compile", "channels_last",
+    for what in ("steps.train default, end to end (data included)", "end to end / compute only",
+                 "default vs eager (the default before), compute only",
                  "augmentation on cpu", "img/s compute only, batch 4, cpu ("):
         assert any(what in metric for metric in gpu_rows), what
-    epochs = report["benchmarks"]["gpu"]["details"]["epochs"]
-    assert all(0 <= e["host_wait_share"] < 1 and e["gpu_wait_share"] is None
-               for e in epochs.values())
+    ab = report["benchmarks"]["gpu"]["details"]["ab"]
+    for name in ("default", "eager"):
+        variant = ab["variants"][name]
+        assert variant["error"] is None and len(variant["rounds"]["end_to_end"]) == 1
+        epoch = variant["rounds"]["epochs"][0]
+        assert 0 <= epoch["host_wait_share"] < 1 and epoch["gpu_wait_share"] is None
+        assert variant["warmup"]["first_step_s"] > 0
+    assert "15 steps" in ab["profiles"]["default"]
     details = report["benchmarks"]["preprocess"]["details"]
     assert details["anchor_mode_labels_equal"]
     assert details["anchor_mode_max_abs_diff_image"] < 1e-3   # same algorithm, float32

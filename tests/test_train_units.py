@@ -11,6 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from monai.losses import DiceCELoss
 import numpy as np
 import pytest
 import torch
@@ -20,7 +21,8 @@ from steps.dataset import Case
 from steps.errors import StepError
 from steps.losses import DeepSupervisionLoss, dice_per_class
 from steps.sampler import (Augmentation, SliceSampler, StepDataset, _foreground_voxel,
-                           _gaussian_blur, augment, pad_crop_2d, torch_seed)
+                           _gaussian_blur, _gaussian_blur_batched, augment, pad_crop_2d,
+                           torch_seed)
 
 REPO = Path(__file__).resolve().parents[1]
 STANDIN = Path(__file__).resolve().parent / "hpu_standin"
@@ -43,7 +45,7 @@ def test_batches_depend_only_on_seed_step_and_rank():
     sampler = SliceSampler(_cases(), (16, 32), batch=6, seed=5)
     x1, y1 = sampler(11, rank=1)
     x2, y2 = SliceSampler(_cases(), (16, 32), batch=6, seed=5)(11, rank=1)
-    assert x1.shape == (6, 4, 16, 32) and y1.shape == (6, 16, 32) and y1.dtype == torch.int64
+    assert x1.shape == (6, 4, 16, 32) and y1.shape == (6, 16, 32) and y1.dtype == torch.uint8
     assert torch.equal(x1, x2) and torch.equal(y1, y2)
     assert not torch.equal(x1, sampler(11, rank=0)[0])
     assert not torch.equal(x1, sampler(12, rank=1)[0])
@@ -112,11 +114,28 @@ def test_augment_is_seeded_and_keeps_labels_valid():
     a1, b1 = augment(x, y, seed=123)
     a2, b2 = augment(x, y, seed=123)
     assert torch.equal(a1, a2) and torch.equal(b1, b2)
-    assert a1.shape == x.shape and b1.shape == y.shape and b1.dtype == torch.int64
+    assert a1.shape == x.shape and b1.shape == y.shape and b1.dtype == y.dtype == torch.uint8
     assert set(b1.unique().tolist()) <= {0, 1, 2, 3}
     assert not torch.equal(a1, x)          # with 64 samples some augmentation fired
     a3, _ = augment(x, y, seed=124)
     assert not torch.equal(a1, a3)
+
+
+def test_batched_blur_equals_each_image_blurred_alone():
+    torch.manual_seed(0)
+    images = torch.randn(5, 4, 24, 20)
+    sigmas = [0.5, 0.9, 1.2, 1.5, 0.7]
+    alone = torch.cat([_gaussian_blur(images[i:i + 1], s) for i, s in enumerate(sigmas)])
+    assert torch.allclose(_gaussian_blur_batched(images, sigmas), alone, atol=1e-6)
+
+
+def test_contrast_clamps_each_sample_to_its_own_range():
+    x, y = SliceSampler(_cases(), (16, 32), batch=8, seed=2)(0)
+    spec = Augmentation(zoom_p=0, noise_p=0, blur_p=0, brightness_p=0, contrast_p=1,
+                        contrast_range=(1.5, 1.5))
+    a, _ = augment(x, y, seed=5, spec=spec)
+    for before, after in zip(x, a):
+        assert torch.equal(after, (before * 1.5).clamp(before.min(), before.max()))
 
 
 def test_augmentation_spec_switches_each_transform_and_checks_its_ranges():
@@ -157,14 +176,22 @@ def test_dice_rules_for_absent_classes():
     assert dice_per_class(half, target, 4)[0] == pytest.approx(2 * 2 / (2 + 4))
 
 
-def test_deep_supervision_weights_are_normalised():
+def test_deep_supervision_loss_is_monais_dice_ce_per_head_weighted_and_normalised():
+    monai = DiceCELoss(include_background=False, to_onehot_y=True, softmax=True, batch=True)
     loss = DeepSupervisionLoss()
     torch.manual_seed(0)
-    labels = torch.randint(0, 4, (2, 8, 8))
-    heads = torch.randn(2, 3, 4, 8, 8)
-    expected = sum(w * loss.head_loss(heads[:, i], labels)
-                   for i, w in enumerate([1, 0.5, 0.25])) / 1.75
-    assert float(loss(heads, labels)) == pytest.approx(float(expected), rel=1e-6)
+    for classes, size in ((4, 8), (2, 5), (3, 16)):
+        labels = torch.randint(0, classes, (2, size, size))
+        heads = torch.randn(2, 3, classes, size, size) * 4
+        expected = sum(w * monai(heads[:, i], labels[:, None])
+                       for i, w in enumerate([1, 0.5, 0.25])) / 1.75
+        assert float(loss(heads, labels)) == pytest.approx(float(expected), rel=1e-6)
+        assert float(loss(heads[:, 0], labels)) == \
+            pytest.approx(float(monai(heads[:, 0], labels[:, None])), rel=1e-6)
+    labels[:, :2] = 0          # a class absent from the target: MONAI's smoothing decides
+    assert float(loss(heads, labels)) == pytest.approx(float(sum(
+        w * monai(heads[:, i], labels[:, None]) for i, w in enumerate([1, 0.5, 0.25])) / 1.75),
+        rel=1e-6)
     perfect = torch.nn.functional.one_hot(labels, 4).permute(0, 3, 1, 2).float() * 50
     assert float(loss(perfect, labels)) < 0.01
 
@@ -302,6 +329,65 @@ def test_cpu_device_and_errors(monkeypatch):
     with pytest.raises(StepError, match="fusedadamw needs --device hpu"):
         devices.make_optimizer("fusedadamw", [torch.nn.Parameter(torch.ones(1))], 1e-3, 0,
                                info)
+
+
+def _cuda_info(**changes):
+    """A DeviceInfo that says CUDA but holds CPU tensors: the CUDA-only decisions, run here."""
+    from steps import devices
+    return devices.DeviceInfo(kind="cuda", device=torch.device("cpu"), dtype=None, **changes)
+
+
+def test_cuda_switches_compile_mode_layout_and_fused_adamw():
+    from steps import devices
+    from steps.train import forwards
+    net = torch.nn.Conv2d(4, 4, 3)
+    assert devices.select_device("cpu", channels_last=True).channels_last is False
+    for mode in devices.CUDA_COMPILE_MODES:
+        train_forward, eval_forward = forwards(net, _cuda_info(), 1, True, mode)
+        assert train_forward._orig_mod is net and eval_forward is net   # eager validation
+    assert forwards(net, _cuda_info(), 1, False, "default") == (net, net)
+    assert devices.compile_for_device(net, devices.select_device("cpu"), True) is net
+    with pytest.raises(StepError, match="--cuda-compile-mode must be one of"):
+        devices.compile_for_device(net, _cuda_info(), True, "max-autotune")
+    info = _cuda_info(channels_last=True)
+    model = devices.prepare_model(torch.nn.Conv2d(4, 8, 3), info)
+    assert model.weight.is_contiguous(memory_format=torch.channels_last)
+    batch = devices.to_device(torch.randn(2, 4, 8, 8), info)
+    assert batch.is_contiguous(memory_format=torch.channels_last)
+    assert devices.to_device(torch.randn(2, 4, 8, 8), _cuda_info()).is_contiguous()
+    fused = devices.make_optimizer("fusedadamw", [torch.nn.Parameter(torch.ones(2))], 1e-3,
+                                   1e-4, _cuda_info())
+    assert isinstance(fused, torch.optim.AdamW) and fused.defaults["fused"] is True
+    plain = devices.make_optimizer("adamw", [torch.nn.Parameter(torch.ones(2))], 1e-3, 1e-4,
+                                   _cuda_info())
+    assert not plain.defaults["fused"]
+
+
+def test_cuda_steps_default_to_compiled_cuda_graphs_in_the_contiguous_layout():
+    from steps.train import build_parser
+    args = build_parser().parse_args(["--dataset", "d", "--model", "m"])
+    assert (args.cuda_compile, args.cuda_compile_mode, args.cuda_channels_last,
+            args.compile_cache) == (True, "reduce-overhead", False, True)
+    back = build_parser().parse_args(["--dataset", "d", "--model", "m", "--cuda-compile",
+                                      "false", "--cuda-channels-last", "true",
+                                      "--cuda-compile-mode", "default"])
+    assert (back.cuda_compile, back.cuda_compile_mode, back.cuda_channels_last) == \
+        (False, "default", True)
+
+
+def test_device_batches_are_device_batch_of_each_step():
+    from steps import devices
+    from steps.train import device_batch, device_batches
+    info = devices.select_device("cpu")
+    sampler = SliceSampler(_cases(), (16, 32), batch=4, seed=3)
+    host = [sampler(step) for step in range(7, 10)]
+    made = list(device_batches(iter([(x.clone(), y.clone()) for x, y in host]), 7, info,
+                               seed=3, rank=0))
+    assert len(made) == 3
+    for step, (x, y), (images, labels) in zip(range(7, 10), host, made):
+        expected = device_batch(x.clone(), y.clone(), info, torch_seed(3, step, 0))
+        assert torch.equal(images, expected[0]) and torch.equal(labels, expected[1])
+        assert labels.dtype == torch.int64
 
 
 def test_jemalloc_env_prepends_the_library_when_installed():
