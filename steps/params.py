@@ -225,6 +225,14 @@ QUANTIZE = (
                "99.999 lost the least Dice in measurements, docs/usage.md)"),
     Param("float_layers", str, "first-last", choices=("first-last", "none"),
           help="convolutions kept in floating point: the first and the last, or none"),
+    Param("max_dice_drop", float, 0.5, ge=0, le=100,
+          help="the gate: the INT8 model's mean Dice over the validation volumes may be at "
+               "most this many points (Dice x 100) below the FP32 model's"),
+    Param("max_class_dice_drop", float, 1.0, ge=0, le=100,
+          help="the gate: no class's Dice may drop by more than this many points"),
+    Param("min_agreement", float, 0.99, ge=0, le=1,
+          help="the gate: the share of voxels inside each volume's foreground box where the "
+               "INT8 and FP32 labels must agree"),
 )
 
 STEPS = {"download": DOWNLOAD, "preprocess": PREPROCESS, "train": TRAIN, "convert": CONVERT,

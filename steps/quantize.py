@@ -14,8 +14,9 @@ model card records which.
 **The gate.** The FP32 and the INT8 model segment every validation volume of the model's
 fold slice by slice (``steps.predict.segment``, the 2D inference over whole volumes that
 ``steps.predict`` uses). The step fails and publishes nothing unless the mean Dice drops by
-at most 0.5 points, no class by more than 1 point, and the two label maps agree on at least
-99 % of the voxels inside each volume's foreground box. Publishes the ``quantized``
+at most ``--max-dice-drop`` points (0.5), no class by more than ``--max-class-dice-drop``
+(1), and the two label maps agree on at least ``--min-agreement`` (0.99) of the voxels
+inside each volume's foreground box. Publishes the ``quantized``
 artifact:
 
     unet2d-int8.onnx     same input, output and metadata_props as unet2d.onnx, so
@@ -62,9 +63,7 @@ REPORT_FILE = "quantization.json"
 # 0.3-1.1 Dice points more on the local profile's model for no measurable speed (2-core
 # AMD EPYC, AVX2).
 QUANTIZED_OPS = ("Conv", "ConvTranspose")
-GATE = {"max_mean_dice_drop": 0.5,        # points of Dice (x100)
-        "max_class_dice_drop": 1.0,       # points, any class
-        "min_agreement": 0.99}            # fraction of voxels in the foreground boxes
+GATE_PARAMS = ("max_dice_drop", "max_class_dice_drop", "min_agreement")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -222,29 +221,38 @@ def gate(sessions: dict[str, Any], cases: list[Case], multiple: int,
     return out
 
 
-def check_gate(figures: dict[str, Any], what: str) -> None:
-    """A StepError naming the first bound the model ``what`` misses."""
-    if figures["mean_dice_drop_points"] > GATE["max_mean_dice_drop"]:
+def gate_bounds(args: argparse.Namespace) -> dict[str, float]:
+    """The gate's three bounds (``--max-dice-drop``, ``--max-class-dice-drop``,
+    ``--min-agreement``)."""
+    return {name: getattr(args, name) for name in GATE_PARAMS}
+
+
+def check_gate(figures: dict[str, Any], what: str, bounds: dict[str, float]) -> None:
+    """A StepError naming the first of ``bounds`` (:func:`gate_bounds`) that the model
+    ``what`` misses."""
+    if figures["mean_dice_drop_points"] > bounds["max_dice_drop"]:
         raise StepError(f"quantize: {what} mean Dice {100 * figures['mean_dice']:.2f} is "
                         f"{figures['mean_dice_drop_points']:.2f} points below FP32 "
-                        f"(allowed {GATE['max_mean_dice_drop']}); nothing published")
+                        f"(allowed {bounds['max_dice_drop']:g}); nothing published")
     for cls, drop in figures["class_dice_drop_points"].items():
-        if drop > GATE["max_class_dice_drop"]:
+        if drop > bounds["max_class_dice_drop"]:
             raise StepError(f"quantize: {what} Dice of class {cls} is {drop:.2f} points below "
-                            f"FP32 (allowed {GATE['max_class_dice_drop']}); nothing published")
-    if figures["agreement_in_foreground"] < GATE["min_agreement"]:
+                            f"FP32 (allowed {bounds['max_class_dice_drop']:g}); nothing "
+                            "published")
+    if figures["agreement_in_foreground"] < bounds["min_agreement"]:
         raise StepError(f"quantize: {what} and FP32 labels agree on "
                         f"{100 * figures['agreement_in_foreground']:.2f} % of the foreground "
-                        f"voxels (needed {100 * GATE['min_agreement']:g} %); nothing published")
+                        f"voxels (needed {100 * bounds['min_agreement']:g} %); nothing "
+                        "published")
 
 
 # --------------------------------------------------------------------------- OpenVINO
 
-def _keep_if_gated(out: Path, figures: dict[str, Any]) -> str:
+def _keep_if_gated(out: Path, figures: dict[str, Any], bounds: dict[str, float]) -> str:
     """The IR is optional: published only within the same gate, else removed with the
     reason (the onnxruntime model, which passed, is the step's product)."""
     try:
-        check_gate(figures, "INT8 (OpenVINO)")
+        check_gate(figures, "INT8 (OpenVINO)", bounds)
         return OPENVINO_FILE
     except StepError as exc:
         for path in (out / OPENVINO_FILE, (out / OPENVINO_FILE).with_suffix(".bin")):
@@ -268,7 +276,8 @@ class OpenVINOSession:
 def openvino_ir(fp32: Path, out: Path, calibration: Calibration, keep: list[str]):
     """NNCF's INT8 OpenVINO IR of the FP32 model, from the same calibration slices and with
     the same convolutions kept float; (compiled model, versions), or None without
-    openvino and nncf."""
+    openvino and nncf, or (None, why) when OpenVINO's CPU plugin cannot compile it here
+    (the IR is then removed: it is optional)."""
     try:  # optional (extra `openvino`): without them only the onnxruntime model is published
         import nncf
         import openvino as ov
@@ -283,9 +292,15 @@ def openvino_ir(fp32: Path, out: Path, calibration: Calibration, keep: list[str]
                          subset_size=len(calibration.batches), ignored_scope=ignored,
                          preset=nncf.QuantizationPreset.MIXED)
     ov.save_model(int8, str(out))
-    # OpenVINO's CPU plugin also sizes its pool from the node's cores
-    compiled = ov.Core().compile_model(str(out), "CPU",
-                                       {"INFERENCE_NUM_THREADS": limits.threads()})
+    try:  # OpenVINO's CPU plugin also sizes its pool from the node's cores
+        compiled = ov.Core().compile_model(str(out), "CPU",
+                                           {"INFERENCE_NUM_THREADS": limits.threads()})
+    except RuntimeError as exc:   # e.g. no int8 deconvolution for this CPU's instruction set
+        for path in (out, out.with_suffix(".bin")):
+            path.unlink(missing_ok=True)
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        why = (lines[-1] if lines else type(exc).__name__).split(". ")[0][:160]
+        return None, f"not published: OpenVINO's CPU plugin cannot compile it here ({why})"
     return compiled, {"openvino": ov.__version__, "nncf": nncf.__version__}
 
 
@@ -327,17 +342,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "int8": predict.open_session(out / INT8_FILE)}
         openvino = openvino_ir(args.exported / FP32_FILE, out / OPENVINO_FILE, calibration,
                                kept)
-        if openvino is not None:
+        if openvino is not None and openvino[0] is not None:
             sessions["openvino_int8"] = OpenVINOSession(openvino[0])
         figures = gate(sessions, open_cases(args.dataset, meta, val_names), multiple,
                        n_classes)
-        check_gate(figures["int8"], "INT8 (onnxruntime)")
+        bounds = gate_bounds(args)
+        check_gate(figures["int8"], "INT8 (onnxruntime)", bounds)
         openvino_file = "not produced: openvino and nncf are not installed"
-        if openvino is not None:
-            openvino_file = _keep_if_gated(out, figures["openvino_int8"])
+        if openvino is not None and openvino[0] is None:
+            openvino_file = openvino[1]
+            print(f"quantize: the OpenVINO IR is left out: {openvino_file}", file=sys.stderr)
+        elif openvino is not None:
+            openvino_file = _keep_if_gated(out, figures["openvino_int8"], bounds)
         report = {"format": "onnx QDQ, per-channel int8 weights, uint8 activations",
                   "files": {"onnxruntime": INT8_FILE, "openvino": openvino_file},
-                  "versions": openvino[1] if openvino else {},
+                  "versions": openvino[1] if openvino and openvino[0] is not None else {},
                   "calibration": {"method": args.calibration_method,
                                   "slices": args.calibration_slices,
                                   "seed": args.calibration_seed, "fold": fold,
@@ -348,7 +367,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                    "operators": "only Conv and ConvTranspose are quantized; "
                                                 "InstanceNormalization, LeakyRelu and Concat "
                                                 "run in float32"},
-                  "gate": GATE, "figures": figures}
+                  "gate": bounds, "figures": figures}
         (out / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
         card["quantization"] = {k: report[k] for k in ("format", "files", "calibration",
                                                        "float_layers", "gate")}

@@ -1,0 +1,75 @@
+"""The INT8 gate, deterministic by construction: two stand-in models whose labels are written
+into the image they segment, so the Dice drop and the agreement are known exactly, and the
+gate is checked a hair inside and a hair outside each of its bounds."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from steps.dataset import Case
+from steps.errors import StepError
+from steps.quantize import check_gate, gate
+
+CLASSES = 3
+SHAPE = (4, 16, 16)                  # (D, H, W)
+FLIPPED = 3                          # class-1 voxels the "INT8" model calls background
+
+
+class LabelReader:
+    """A session whose logits pick, per voxel, the label written in channel 0 of its input,
+    or background where channel 1 marks the voxel and ``flips`` is set."""
+
+    def __init__(self, flips: bool):
+        self.flips = flips
+
+    def run(self, names, feeds):
+        x = feeds["image"]                                        # (N, C, H, W)
+        labels = np.rint(x[:, 0]).astype(np.int64)
+        if self.flips:
+            labels[x[:, 1] > 0.5] = 0
+        return [np.eye(CLASSES, dtype=np.float32)[labels].transpose(0, 3, 1, 2) * 10]
+
+
+def _case() -> Case:
+    truth = np.zeros(SHAPE, dtype=np.uint8)
+    truth[:, 2:10, 2:10] = 1                                      # 256 voxels of class 1
+    truth[:, 10:14, 10:14] = 2                                    # 64 voxels of class 2
+    flip = np.zeros(SHAPE, dtype=np.float32)
+    flip[0, 2, 2:2 + FLIPPED] = 1
+    ramp = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE)   # a box of everything
+    image = np.stack([truth.astype(np.float32), flip, ramp])
+    return Case("case_0", image, truth, (1.0, 1.0, 1.0))
+
+
+def _figures():
+    return gate({"fp32": LabelReader(False), "int8": LabelReader(True)}, [_case()], 8,
+                CLASSES)
+
+
+def test_the_gate_measures_the_known_drop_and_agreement():
+    figures = _figures()
+    class_1 = 2 * (256 - FLIPPED) / (256 + 256 - FLIPPED)
+    assert figures["fp32"]["mean_dice"] == 1.0
+    assert figures["int8"]["class_dice_drop_points"]["1"] == pytest.approx(100 * (1 - class_1))
+    assert figures["int8"]["class_dice_drop_points"]["2"] == 0.0
+    assert figures["int8"]["mean_dice_drop_points"] == pytest.approx(50 * (1 - class_1))
+    assert figures["int8"]["agreement_in_foreground"] == pytest.approx(
+        1 - FLIPPED / np.prod(SHAPE))
+
+
+@pytest.mark.parametrize("bound, needle", [
+    ("max_dice_drop", "mean Dice 99.71 is 0.29 points below FP32 (allowed"),
+    ("max_class_dice_drop", "Dice of class 1 is 0.59 points below FP32 (allowed"),
+    ("min_agreement", "labels agree on 99.71 % of the foreground voxels (needed"),
+])
+def test_each_bound_passes_just_inside_and_fails_just_outside(bound, needle):
+    figures = _figures()["int8"]
+    measured = {"max_dice_drop": figures["mean_dice_drop_points"],
+                "max_class_dice_drop": max(figures["class_dice_drop_points"].values()),
+                "min_agreement": figures["agreement_in_foreground"]}
+    loose = {"max_dice_drop": 100.0, "max_class_dice_drop": 100.0, "min_agreement": 0.0}
+    step = -1e-4 if bound == "min_agreement" else 1e-4
+    check_gate(figures, "INT8", {**loose, bound: measured[bound] + step})
+    with pytest.raises(StepError, match="nothing published") as missed:
+        check_gate(figures, "INT8", {**loose, bound: measured[bound] - step})
+    assert needle in str(missed.value)
