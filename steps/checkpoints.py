@@ -26,6 +26,7 @@ from steps import storage, uris
 from steps.errors import StepError
 
 LATEST = "latest"
+LATEST_MAX_BYTES = 64          # "ckpt-<10 digits>.pt" and a newline
 KEEP = 2
 _CKPT = re.compile(r"^ckpt-(\d{10})\.pt$")
 
@@ -172,12 +173,12 @@ class CheckpointStore:
         return name
 
     def latest_name(self) -> str | None:
-        data = self.read_bytes(LATEST)
+        data = self.read_bytes(LATEST, limit=LATEST_MAX_BYTES)
         if data is None:
             return None
-        name = data.decode().strip()
+        name = data.decode("ascii", errors="replace").strip()
         if not _CKPT.match(name):
-            raise StepError(f"checkpoint pointer {self._join(LATEST)} names '{name}', "
+            raise StepError(f"checkpoint pointer {self._join(LATEST)} names {name[:40]!r}, "
                             "not a checkpoint file")
         return name
 

@@ -4,9 +4,11 @@ A step raises :class:`StepError` for anything the user can fix (bad input, bad p
 unreachable storage). :func:`run_main` turns it into a single ``error: ...`` line on stderr
 and exit 2, which Argo does not retry. An unexpected exception exits 1 (retried) with one
 line naming the step and the exception first, then its traceback; ``MemoryError`` says that
-memory ran out. Control characters in a message are escaped, so a hostile file name cannot
-split the line or drive the terminal, and a line is cut to MAX_LINE characters. SIGTERM and
-SIGINT unwind the step like an error (so its clean-up runs) and exit 128 + the signal.
+memory ran out. Control and format characters in a message are escaped, so a hostile file
+name cannot split the line, drive the terminal or reorder what a reader sees (bidi
+overrides), and a line is cut to MAX_LINE characters. An error line always starts a line,
+also after a progress bar's carriage returns. SIGTERM and SIGINT unwind the step like an
+error (so its clean-up runs) and exit 128 + the signal.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import signal
 import sys
 import threading
 import traceback
+import unicodedata
 from typing import Callable, Iterator, Sequence
 
 EXIT_INPUT_ERROR = 2
@@ -28,27 +31,66 @@ INPUT_ERROR_FILE_ENV = "UNET_INPUT_ERROR_FILE"
 EXIT_UNEXPECTED = 1
 MAX_LINE = 600            # characters of one error line: a quoted input is cut in its middle
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")   # C0, DEL, C1, line separators
+_NON_ASCII = re.compile("[^\x00-\x7f]")
+
+
+def _escaped(char: str) -> str:
+    return char.encode("unicode_escape").decode()
+
+
+def _escape_format(match: re.Match) -> str:
+    """A format character (Unicode's Cf: bidi embeddings, overrides and isolates, zero-width
+    characters, the soft hyphen, the BOM), which can make a line read other than it is,
+    escaped; any other character as it is."""
+    char = match.group()
+    return _escaped(char) if unicodedata.category(char) == "Cf" else char
 
 
 def one_line(text: str) -> str:
-    """``text`` as one printable line of at most MAX_LINE characters: every control
-    character, line breaks included, is escaped (``\\n``, ``\\x1b``), and the middle of a
-    longer line is cut (a quoted 5 MB file name stays a line a person can read)."""
+    """``text`` as one printable line of at most MAX_LINE characters: every control and
+    format character, line breaks included, is escaped (``\\n``, ``\\x1b``, ``\\u202e``), and
+    the middle of a longer line is cut (a quoted 5 MB file name stays a line a person can
+    read)."""
     text = str(text).strip()
     if len(text) > 4 * MAX_LINE:      # escaping can only lengthen: cut before it, cheaply
         text = text[:2 * MAX_LINE] + text[-2 * MAX_LINE:]
-    line = _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
+    line = _NON_ASCII.sub(_escape_format, _CONTROL.sub(lambda m: _escaped(m.group()), text))
     if len(line) <= MAX_LINE:
         return line
     keep = (MAX_LINE - 20) // 2
     return f"{line[:keep]} [...cut...] {line[-keep:]}"
 
 
+class _LineTracker:
+    """The process's stderr, remembering whether its last write ended a line: a progress bar
+    redraws with carriage returns and no newline, and an ``error:`` line printed after it
+    must still start a line (Argo's message and log readers look for it there)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.at_line_start = True
+
+    def write(self, text: str) -> int:
+        if text:
+            self.at_line_start = text.endswith("\n")
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+def error_print(line: str) -> None:
+    """Print ``line`` (an ``error:`` line) to stderr at the start of a line."""
+    if not getattr(sys.stderr, "at_line_start", True):
+        sys.stderr.write("\n")
+    print(line, file=sys.stderr)
+
+
 def report_input_error(message: str) -> None:
     """Print the one ``error:`` line of an input error; also write it to the file that
     ``UNET_INPUT_ERROR_FILE`` names, when set (one write, so concurrent ranks cannot mix)."""
     line = f"error: {one_line(message)}"
-    print(line, file=sys.stderr)
+    error_print(line)
     path = os.environ.get(INPUT_ERROR_FILE_ENV)
     if path:
         with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as f:
@@ -119,6 +161,15 @@ def run_main(main: Callable[[Sequence[str] | None], int | None],
     """Call ``main(argv)``; report any failure as one ``error:`` line; return the exit status
     (128 + the signal's number when SIGTERM or SIGINT stopped it)."""
     step = main.__module__
+    tracked = sys.stderr = _LineTracker(sys.stderr)
+    try:
+        return _run_reported(main, argv, step)
+    finally:
+        if sys.stderr is tracked:
+            sys.stderr = tracked.stream
+
+
+def _run_reported(main, argv, step: str) -> int:
     try:
         with _stop_on_signals():
             return int(main(argv) or 0)
@@ -127,19 +178,18 @@ def run_main(main: Callable[[Sequence[str] | None], int | None],
         return EXIT_INPUT_ERROR
     except Stopped as stop:
         name = signal.Signals(stop.signum).name
-        print(f"error: {step}: stopped by {name}; unfinished outputs were removed",
-              file=sys.stderr)
+        error_print(f"error: {step}: stopped by {name}; unfinished outputs were removed")
         return 128 + stop.signum
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
+        error_print("error: interrupted")
         return 130
     except MemoryError:
-        print(f"error: {step}: out of memory (MemoryError); give the step more memory or "
-              "smaller inputs", file=sys.stderr)
+        error_print(f"error: {step}: out of memory (MemoryError); give the step more memory "
+                    "or smaller inputs")
         traceback.print_exc(file=sys.stderr)
         return EXIT_UNEXPECTED
     except Exception as exc:  # noqa: BLE001 - the last line of defence: one line, then detail
-        print(f"error: {step}: unexpected {type(exc).__name__}: {one_line(str(exc))[:500]} "
-              "(a bug: the traceback follows)", file=sys.stderr)
+        error_print(f"error: {step}: unexpected {type(exc).__name__}: "
+                    f"{one_line(str(exc))[:500]} (a bug: the traceback follows)")
         traceback.print_exc(file=sys.stderr)
         return EXIT_UNEXPECTED

@@ -178,6 +178,9 @@ def restore(labels: np.ndarray, prepared: Prepared, mode: str) -> np.ndarray:
     return np.ascontiguousarray(full)
 
 
+NIFTI_SUFFIXES = (".nii.gz", ".nii")   # what nibabel writes as NIfTI-1 by the name alone
+
+
 def write_label(labels: np.ndarray, affine: np.ndarray, path: Path) -> None:
 
     image = nib.Nifti1Image(labels, affine)
@@ -217,6 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.batch_size < 1:
         raise StepError(f"--batch-size {args.batch_size}: must be at least 1")
     check_disjoint({"--out": args.out}, {"--image": args.image, "--onnx": args.onnx})
+    if not args.out.name.endswith(NIFTI_SUFFIXES):
+        raise StepError(f"--out {args.out}: a label map is written as NIfTI, so its name "
+                        f"must end with {' or '.join(NIFTI_SUFFIXES)}")
     session = open_session(args.onnx)
     contract = read_contract(session, args.onnx)
     prepared = prepare(args.image, contract)

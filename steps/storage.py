@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 import threading
 from pathlib import Path, PurePosixPath
@@ -161,6 +162,8 @@ def client(anonymous: bool = False, endpoint_url: str | None = None,
     if anonymous:
         options["signature_version"] = UNSIGNED
     kwargs = dict(region_name=region, endpoint_url=endpoint, config=Config(**options))
+    if not anonymous:
+        check_credentials()
     key_id = os.environ.get("AWS_ACCESS_KEY_ID")
     secret = os.environ.get("AWS_SECRET_ACCESS_KEY")
     token = os.environ.get("AWS_SESSION_TOKEN")
@@ -224,11 +227,33 @@ def _root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
+SECRET_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+_BREAKS = re.compile(r"[\s\x00-\x1f\x7f]+")
+
+
 def _scrub(text: str) -> str:
-    secret = os.environ.get("AWS_SECRET_ACCESS_KEY")
-    if secret:
-        text = text.replace(secret, "***")
+    """``text`` with every secret of the environment replaced by ``***``: whole, as Python
+    escapes it, and each piece of it between whitespace or control characters (a library
+    may quote a value split at a CRLF); then as one line."""
+    for name in SECRET_VARS:
+        secret = os.environ.get(name)
+        if not secret:
+            continue
+        forms = {secret, secret.encode("unicode_escape").decode(), repr(secret)[1:-1]}
+        forms.update(piece for piece in _BREAKS.split(secret) if len(piece) >= 8)
+        for form in sorted(forms, key=len, reverse=True):
+            text = text.replace(form, "***")
     return " ".join(text.split())
+
+
+def check_credentials() -> None:
+    """Credentials of the environment that a request header can carry: no control
+    characters and no surrounding spaces (their values are never printed)."""
+    for name in CREDENTIAL_VARS:
+        value = os.environ.get(name)
+        if value and (_BREAKS.search(value) or value != value.strip()):
+            raise StorageError(f"{name} holds whitespace or control characters (a line break "
+                               "pasted with it?); set it again (its value is not printed)")
 
 
 def describe(exc: BaseException, s3, uri: str, action: str) -> str:
@@ -496,6 +521,15 @@ def _safe_relative(rel: str, uri: str) -> PurePosixPath:
     return path
 
 
+def _bounded_json(response: dict, where: str) -> bytes:
+    """A JSON object's body, held to ``max_json_bytes`` by its announced size before it is
+    read, and never read past that bound."""
+    limits.check("max_json_bytes", int(response.get("ContentLength", 0)), where)
+    data = response["Body"].read(limits.get("max_json_bytes") + 1)
+    limits.check("max_json_bytes", len(data), where)
+    return data
+
+
 def download_dir(uri: str, local_dir: Path | str, client=None, *, artifact: str | None = None,
                  require_manifest: bool = True, check_hashes: bool = True,
                  config: TransferConfig | None = None, progress: bool = True) -> int:
@@ -513,7 +547,8 @@ def download_dir(uri: str, local_dir: Path | str, client=None, *, artifact: str 
     s3 = client or client_for(uri)
     with _errors(s3, uri, "downloading"):
         try:
-            raw = s3.get_object(Bucket=bucket, Key=prefix + MANIFEST)["Body"].read()
+            raw = _bounded_json(s3.get_object(Bucket=bucket, Key=prefix + MANIFEST),
+                                f"{uri}/{MANIFEST}")
         except bexc.ClientError as exc:
             if not _is_missing(exc):
                 raise
