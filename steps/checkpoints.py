@@ -29,6 +29,11 @@ LATEST = "latest"
 LATEST_MAX_BYTES = 64          # "ckpt-<10 digits>.pt" and a newline
 KEEP = 2
 _CKPT = re.compile(r"^ckpt-(\d{10})\.pt$")
+_BEST = re.compile(r"^best-epoch\d{4}\.pt$")
+# What write_bytes leaves behind when killed before its rename: mkstemp's ".<name>.<8>.tmp"
+# for a name this module writes (a checkpoint, a best file, the pointer, a compile cache).
+_TEMPORARY = re.compile(r"^\.(ckpt-\d{10}\.pt|best-epoch\d{4}\.pt|latest|"
+                        r"compile-cache-[0-9a-f]{16}\.bin)\.[A-Za-z0-9_]{8}\.tmp$")
 
 
 def checkpoint_name(step: int) -> str:
@@ -199,13 +204,14 @@ class CheckpointStore:
     def prune(self, current: str | None = None, keep_best: str | None = None) -> None:
         """Keep the newest ``KEEP`` checkpoints, the one ``latest`` names (``current``, even
         when older ones from another run sort after it) and the best file in use; delete
-        the rest."""
+        the rest of what this module writes. Only names of exactly its own patterns are
+        touched: a user's file in the same folder stays, whatever it is called."""
         names = self.names()
         others = [n for n in names if _CKPT.match(n) and n != current]
         room = KEEP - 1 if current in names else KEEP
         doomed = others[:max(len(others) - room, 0)]
-        doomed += [n for n in names if n.startswith("best-epoch") and n != keep_best]
+        doomed += [n for n in names if _BEST.match(n) and n != keep_best]
         # Temporary files of writes killed before their rename (local stores only).
-        doomed += [n for n in names if n.startswith(".") and n.endswith(".tmp")]
+        doomed += [n for n in names if _TEMPORARY.match(n)]
         for name in doomed:
             self.delete(name)

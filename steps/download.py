@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Sequence
 from urllib.error import HTTPError, URLError
-from urllib.parse import parse_qsl
-from urllib.request import Request, urlopen
+from urllib.parse import parse_qsl, urlsplit
+from urllib.request import HTTPRedirectHandler, Request, build_opener
 
 from tqdm import tqdm
 
@@ -68,6 +68,35 @@ HTTP_BACKOFF_S = 1.0         # first wait; doubles per failure in a row, at most
 HTTP_TIMEOUT_S = 60.0        # one request's connect and read timeout
 HTTP_BUDGET_S = 6 * 3600.0   # no retry starts later than this after the download began
 TRANSIENT_HTTP = frozenset({408, 425, 429, 500, 502, 503, 504})
+MAX_REDIRECTS = 5
+MAX_VALIDATOR_BYTES = 256    # an ETag or an HTTP date, as the first response gave it
+# What a validator may be before it is sent back as If-Range: a strong ETag or an HTTP date.
+_VALIDATOR = re.compile(r'"[\x21\x23-\x7e]{0,200}"|[A-Za-z]{3}, \d{2} [A-Za-z]{3} \d{4} '
+                        r'\d{2}:\d{2}:\d{2} GMT')
+
+
+class _Redirects(HTTPRedirectHandler):
+    """urllib's redirects held to what the download speaks: http and https only, never from
+    https down to http, at most MAX_REDIRECTS; anything else is one line saying why."""
+
+    max_redirections = MAX_REDIRECTS
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        old, new = urlsplit(req.full_url).scheme.lower(), urlsplit(newurl).scheme.lower()
+        why = None
+        if new not in ("http", "https"):
+            why = f"to the scheme '{new or '(none)'}', which the download does not speak"
+        elif old == "https" and new == "http":
+            why = "from https down to http"
+        elif len(getattr(req, "redirect_dict", {})) >= MAX_REDIRECTS:
+            why = f"more than {MAX_REDIRECTS} times"
+        if why:
+            raise StepError(f"download of {redact(req.full_url)}: HTTP {code} redirects "
+                            f"{why} ({redact(newurl)})")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+_OPENER = build_opener(_Redirects)
 _CHUNK = 1 << 20
 _ARCHIVE_ERRORS = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, lzma.LZMAError)
 _VERIFIED = ".verified"     # beside a cached download: its size and sha256 after a good run
@@ -173,8 +202,18 @@ def cache_name(source: Source) -> str:
 
 def trust_cached(dest: Path) -> None:
     """Mark a cached download good (its size and sha256), after a run that used it worked."""
-    marker = dest.with_name(dest.name + _VERIFIED)
-    marker.write_text(json.dumps({"size": dest.stat().st_size, "sha256": sha256_file(dest)}))
+    _write_own(dest.with_name(dest.name + _VERIFIED),
+               json.dumps({"size": dest.stat().st_size, "sha256": sha256_file(dest)}))
+
+
+def _write_own(path: Path, text: str) -> None:
+    """Write a small file of the cache folder anew: whatever was there (a planted link
+    included) is removed, not followed, and the file is created, never opened through a
+    link."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w", encoding="ascii") as handle:
+        handle.write(text)
 
 
 def forget_cached(dest: Path) -> None:
@@ -242,7 +281,7 @@ def http_download(url: str, dest: Path, *, retries: int = HTTP_RETRIES,
     """
     part = dest.with_name(dest.name + ".part")
     failures, attempts, started = 0, 0, time.monotonic()
-    furthest = part.stat().st_size if part.exists() else 0
+    furthest = _own_file_size(part)
     with tqdm(desc=dest.name.split("-", 1)[-1], unit="B", unit_scale=True, unit_divisor=1024,
               disable=not progress, file=sys.stderr) as bar:
         while True:
@@ -251,7 +290,7 @@ def http_download(url: str, dest: Path, *, retries: int = HTTP_RETRIES,
                 _http_attempt(url, part, timeout_s, bar)
                 break
             except _Transient as exc:
-                size = part.stat().st_size if part.exists() else 0
+                size = _own_file_size(part)
                 failures = 1 if size > furthest else failures + 1
                 furthest = max(furthest, size)
                 wait = min(backoff_s * 2 ** (failures - 1), 60.0)
@@ -276,15 +315,20 @@ def _http_attempt(url: str, part: Path, timeout_s: float, bar: tqdm) -> None:
     A resumed request carries ``If-Range`` with the validator (strong ETag or Last-Modified)
     of the response that began ``part``, so a changed file is sent whole, from zero.
     """
-    offset = part.stat().st_size if part.exists() else 0
     validator = part.with_name(part.name + ".validator")
+    offset = _own_file_size(part)
     headers = {"User-Agent": f"unet-argo/{__version__}"}
     if offset:
         headers["Range"] = f"bytes={offset}-"
-        if validator.is_file():
-            headers["If-Range"] = validator.read_text().strip()
+        value = _read_validator(validator)
+        if value:
+            headers["If-Range"] = value
+        elif os.path.lexists(validator):   # one we cannot trust proves nothing: start over
+            part.unlink()
+            offset = 0
+            del headers["Range"]
     try:
-        response = urlopen(Request(url, headers=headers), timeout=timeout_s)
+        response = _OPENER.open(Request(url, headers=headers), timeout=timeout_s)
     except HTTPError as exc:
         _http_error(url, part, offset, exc)
         return
@@ -305,11 +349,41 @@ def _http_attempt(url: str, part: Path, timeout_s: float, bar: tqdm) -> None:
         raise _Transient(f"connection closed after {size} of {total} bytes")
 
 
+def _own_file_size(path: Path) -> int:
+    """The size of a file this step left in its cache folder, or 0 when absent. Anything
+    there but a regular file (a symbolic link to a host file, a FIFO) is refused: the
+    download writes into it and sends what it derives from it to the server."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return 0
+    if not stat.S_ISREG(info.st_mode):
+        raise StepError(f"{path} is not a regular file (a link or device planted in the "
+                        "download's cache folder?); remove it")
+    return info.st_size
+
+
+def _read_validator(path: Path) -> str | None:
+    """The validator saved beside a partial download: a regular file (never followed as a
+    link) of at most MAX_VALIDATOR_BYTES holding one strong ETag or HTTP date; None when
+    absent or anything else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:          # absent, or a link (ELOOP)
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_VALIDATOR_BYTES:
+            return None
+        value = handle.read(MAX_VALIDATOR_BYTES + 1).decode("ascii", errors="replace").strip()
+    return value if _VALIDATOR.fullmatch(value) else None
+
+
 def _note_validator(response, path: Path) -> None:
     etag = response.headers.get("ETag", "")
     value = etag if etag and not etag.startswith("W/") else response.headers.get("Last-Modified")
-    if value and "\n" not in value:
-        path.write_text(value)
+    if value and _VALIDATOR.fullmatch(value.strip()):
+        _write_own(path, value.strip())
     else:
         path.unlink(missing_ok=True)
 
@@ -356,7 +430,8 @@ def _stream(response, part: Path, offset: int, bar: tqdm, url: str) -> int:
     allowed = limits.get("max_download_bytes")
     received = 0
     try:
-        with open(part, "r+b" if offset else "wb") as out:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW   # never into a planted link
+        with os.fdopen(os.open(part, flags, 0o600), "wb") as out:
             out.seek(offset)
             out.truncate()
             while True:

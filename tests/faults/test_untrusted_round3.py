@@ -1,11 +1,11 @@
-"""Trust no input, round 3 (issue 37), the classes done so far: 4 no secret in any error line,
-8 error lines are lines, 9 the cases left from the earlier sets. Each refusal is exit 2 with
+"""Trust no input, round 3 (issue 37), the classes done so far: 2 a planted cache folder, 3 a
+step deletes only what it made, 4 no secret in any error line, 6 redirects stay on the
+schemes we speak, 8 error lines are lines, 9 the cases left from the earlier sets. Each refusal is exit 2 with
 exactly one ``error:`` line at the start of a line, no traceback, no secret."""
 from __future__ import annotations
 
-import io
-import json
 import sys
+from pathlib import Path
 
 import botocore.exceptions as bexc
 import numpy as np
@@ -13,14 +13,134 @@ import pytest
 from tqdm import tqdm
 
 from conftest import assert_one_error_line
-from steps import checkpoints, convert, storage
+from steps import checkpoints, convert, download, storage
 from steps.artifacts import MANIFEST, write_manifest
 from steps.errors import StepError, one_line, run_main
-from test_untrusted_inputs import call, nifti_file, onnx_model, refused
+from test_untrusted_inputs import _handler, _Http, call, nifti_file, onnx_model, refused
 
 pytestmark = pytest.mark.faults
 
 TOKEN = "FQoGZXIvYXdzEJr//////////wEaDLmVsbn0KsDnqHvH5SKoAd" + "x" * 40
+
+
+# ================================================= 2: a cache or work folder can be planted
+def _source_server(body: bytes, etag: str = '"v1"'):
+    """A server of ``body`` that honours Range; it records every request's If-Range."""
+    def respond(h):
+        h.server.if_range.append(h.headers.get("If-Range"))
+        start = int(h.headers["Range"][6:-1]) if h.headers.get("Range") else 0
+        h.send_response(206 if start else 200)
+        if start:
+            h.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
+        h.send_header("Content-Length", str(len(body) - start))
+        h.send_header("ETag", etag)
+        h.end_headers()
+        h.wfile.write(body[start:])
+    server = _Http(_handler(respond))
+    server.if_range = []
+    return server
+
+
+def _planted(cache: Path, server, suffix: str) -> Path:
+    source = download.parse_source(server.url)
+    return cache / (download.cache_name(source) + suffix)
+
+
+def test_a_partial_download_planted_as_a_link_is_refused_and_its_target_untouched(tmp_path,
+                                                                                  capsys):
+    host_file = tmp_path / "host-file"
+    host_file.write_text("precious")
+    server = _source_server(b"x" * 1000)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    try:
+        _planted(cache, server, ".part").symlink_to(host_file)
+        refused(download.main, ["--source", server.url, "--raw", tmp_path / "raw", "--md5", "",
+                                "--cache-dir", cache, "--no-progress"], capsys,
+                "not a regular file")
+    finally:
+        server.close()
+    assert host_file.read_text() == "precious" and server.requests == 0
+
+
+@pytest.mark.parametrize("planted", ["link", "garbage"])
+def test_a_planted_validator_is_never_sent(planted, tmp_path, capsys):
+    host_file = tmp_path / "host-secret"
+    host_file.write_text('"host-secret-content"')
+    server = _source_server(b"not a tar" * 100)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    try:
+        _planted(cache, server, ".part").write_bytes(b"not a tar" * 10)
+        validator = _planted(cache, server, ".part.validator")
+        if planted == "link":
+            validator.symlink_to(host_file)
+        else:
+            validator.write_text('"v1"\r\nX-Injected: yes')
+        status, err = call(download.main, ["--source", server.url, "--raw", tmp_path / "raw",
+                                           "--md5", "", "--cache-dir", cache, "--no-progress"],
+                           capsys)
+    finally:
+        server.close()
+    assert server.if_range == [None], server.if_range      # started over, nothing sent
+    assert host_file.read_text() == '"host-secret-content"'
+    assert "host-secret" not in err
+
+
+# ================================================= 6: redirects stay on the schemes we speak
+def _redirect_to(target):
+    def respond(h):
+        h.send_response(302)
+        h.send_header("Location", target(h))
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+    return respond
+
+
+@pytest.mark.parametrize("target, needle", [
+    (lambda h: "ftp://127.0.0.1/Task01_BrainTumour.tar", "to the scheme 'ftp'"),
+    (lambda h: "file:///etc/passwd", "Redirection to url 'file:///etc/passwd' is not allowed"),
+    (lambda h: f"http://127.0.0.1:{h.server.server_address[1]}/again{h.server.requests}",
+     "more than 5 times"),
+])
+def test_redirects_leave_only_for_http_and_https_and_say_why(target, needle, tmp_path, capsys):
+    server = _Http(_handler(_redirect_to(target)))
+    try:
+        line = refused(download.main, ["--source", server.url, "--raw", tmp_path / "raw",
+                                       "--md5", "", "--no-progress"], capsys, needle, "302")
+    finally:
+        server.close()
+    assert server.requests <= 6 and not line.endswith(": ")
+
+
+def test_a_redirect_from_https_down_to_http_is_refused():
+    from urllib.request import Request
+    handler = download._Redirects()
+    with pytest.raises(StepError, match="from https down to http"):
+        handler.redirect_request(Request("https://example.org/a.tar"), None, 302, "Found", {},
+                                 "http://example.org/a.tar")
+    assert handler.redirect_request(Request("http://example.org/a.tar"), None, 302, "Found",
+                                    {}, "https://example.org/a.tar") is not None
+
+
+# ============================================== 3: a step deletes only what it made
+def test_checkpoint_pruning_leaves_a_users_files_alone(tmp_path):
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    theirs = ["best-epoch-notes.txt", "best-epoch0001.pt.bak", ".my-editor.tmp",
+              ".ckpt-0000000001.pt.tmp", "ckpt-notes.pt", "README", "latest.txt"]
+    for name in theirs:
+        (folder / name).write_text("the user's")
+    store = checkpoints.CheckpointStore(str(folder))
+    ours_killed = folder / ".ckpt-0000000003.pt.abcd1234.tmp"     # a write killed mid-way
+    ours_killed.write_bytes(b"partial")
+    for step in (1, 2, 3, 4):
+        store.write_bytes(checkpoints.best_name(step), b"best")
+        store.save({"best_file": checkpoints.best_name(step)}, step)
+    left = sorted(p.name for p in folder.iterdir())
+    assert left == sorted(theirs + ["ckpt-0000000003.pt", "ckpt-0000000004.pt",
+                                    "best-epoch0004.pt", "latest"])
+    assert all((folder / name).read_text() == "the user's" for name in theirs)
 
 
 # ========================================= 4: no secret in any error line, whatever the library
