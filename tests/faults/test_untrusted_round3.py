@@ -41,25 +41,31 @@ def _source_server(body: bytes, etag: str = '"v1"'):
     return server
 
 
-def _planted(cache: Path, server, suffix: str) -> Path:
-    source = download.parse_source(server.url)
-    return cache / (download.cache_name(source) + suffix)
+def _cached_download(tmp_path: Path, capsys, body: bytes, plant) -> tuple[int, str, object]:
+    """Run the download of ``body`` from a fresh server with ``plant(name_in_cache)`` called
+    first on its cache folder: (exit status, stderr, the server)."""
+    server = _source_server(body)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    name = download.cache_name(download.parse_source(server.url))
+    try:
+        plant(lambda suffix: cache / (name + suffix))
+        status, err = call(download.main, ["--source", server.url, "--raw", tmp_path / "raw",
+                                           "--md5", "", "--cache-dir", cache, "--no-progress"],
+                           capsys)
+    finally:
+        server.close()
+    return status, err, server
 
 
 def test_a_partial_download_planted_as_a_link_is_refused_and_its_target_untouched(tmp_path,
                                                                                   capsys):
     host_file = tmp_path / "host-file"
     host_file.write_text("precious")
-    server = _source_server(b"x" * 1000)
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    try:
-        _planted(cache, server, ".part").symlink_to(host_file)
-        refused(download.main, ["--source", server.url, "--raw", tmp_path / "raw", "--md5", "",
-                                "--cache-dir", cache, "--no-progress"], capsys,
-                "not a regular file")
-    finally:
-        server.close()
+    status, err, server = _cached_download(
+        tmp_path, capsys, b"x" * 1000, lambda at: at(".part").symlink_to(host_file))
+    assert status == 2
+    assert_one_error_line(err, "not a regular file")
     assert host_file.read_text() == "precious" and server.requests == 0
 
 
@@ -67,21 +73,15 @@ def test_a_partial_download_planted_as_a_link_is_refused_and_its_target_untouche
 def test_a_planted_validator_is_never_sent(planted, tmp_path, capsys):
     host_file = tmp_path / "host-secret"
     host_file.write_text('"host-secret-content"')
-    server = _source_server(b"not a tar" * 100)
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    try:
-        _planted(cache, server, ".part").write_bytes(b"not a tar" * 10)
-        validator = _planted(cache, server, ".part.validator")
+
+    def plant(at):
+        at(".part").write_bytes(b"not a tar" * 10)
         if planted == "link":
-            validator.symlink_to(host_file)
+            at(".part.validator").symlink_to(host_file)
         else:
-            validator.write_text('"v1"\r\nX-Injected: yes')
-        status, err = call(download.main, ["--source", server.url, "--raw", tmp_path / "raw",
-                                           "--md5", "", "--cache-dir", cache, "--no-progress"],
-                           capsys)
-    finally:
-        server.close()
+            at(".part.validator").write_text('"v1"\r\nX-Injected: yes')
+
+    _, err, server = _cached_download(tmp_path, capsys, b"not a tar" * 100, plant)
     assert server.if_range == [None], server.if_range      # started over, nothing sent
     assert host_file.read_text() == '"host-secret-content"'
     assert "host-secret" not in err
