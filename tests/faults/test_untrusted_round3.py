@@ -1,7 +1,8 @@
 """Trust no input, round 3 (issue 37), the classes done so far: 2 a planted cache folder, 3 a
 step deletes only what it made, 4 no secret in any error line, 6 redirects stay on the
-schemes we speak, 8 error lines are lines, 9 the cases left from the earlier sets. Each refusal is exit 2 with
-exactly one ``error:`` line at the start of a line, no traceback, no secret."""
+schemes we speak, 8 error lines are lines, 9 the cases left from the earlier sets. Each
+refusal is exit 2 with exactly one ``error:`` line at the start of a line, no traceback, no
+secret."""
 from __future__ import annotations
 
 import sys
@@ -14,7 +15,7 @@ from tqdm import tqdm
 
 from conftest import assert_one_error_line
 from steps import checkpoints, convert, download, storage
-from steps.artifacts import MANIFEST, write_manifest
+from steps.artifacts import write_manifest
 from steps.errors import StepError, one_line, run_main
 from test_untrusted_inputs import _handler, _Http, call, nifti_file, onnx_model, refused
 
