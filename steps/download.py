@@ -66,7 +66,6 @@ SYNTHETIC_DEFAULTS = {"cases": 10, "shape": "240x240x155", "seed": 0, "test": 0}
 HTTP_RETRIES = 5             # failed requests in a row without the file growing
 HTTP_BACKOFF_S = 1.0         # first wait; doubles per failure in a row, at most 60 s
 HTTP_TIMEOUT_S = 60.0        # one request's connect and read timeout
-HTTP_BUDGET_S = 6 * 3600.0   # no retry starts later than this after the download began
 TRANSIENT_HTTP = frozenset({408, 425, 429, 500, 502, 503, 504})
 MAX_REDIRECTS = 5
 MAX_VALIDATOR_BYTES = 256    # an ETag or an HTTP date, as the first response gave it
@@ -270,15 +269,18 @@ class _Transient(Exception):
 
 def http_download(url: str, dest: Path, *, retries: int = HTTP_RETRIES,
                   backoff_s: float = HTTP_BACKOFF_S, timeout_s: float = HTTP_TIMEOUT_S,
-                  budget_s: float = HTTP_BUDGET_S, progress: bool = True) -> Path:
+                  budget_s: float | None = None, progress: bool = True) -> Path:
     """Stream ``url`` to ``dest`` through ``dest.part``, resuming with Range requests.
 
     Every failed request is followed by a wait that doubles from ``backoff_s`` (at most 60 s)
     and restarts only when the file has grown past its furthest point: a server that always
     drops the connection at the same place, or ignores Range and starts over, is given up on
-    after ``retries`` more requests. No retry starts ``budget_s`` after the first request.
+    after ``retries`` more requests. Nothing goes on ``budget_s`` (``http_budget_seconds``)
+    after the first request: no retry starts, and a body still streaming is cut. A body that
+    brings fewer than ``http_window_bytes`` in ``http_stall_seconds`` is a stalled attempt.
     Permanent HTTP errors (404, 403…) fail at once with one line.
     """
+    budget_s = limits.get("http_budget_seconds") if budget_s is None else budget_s
     part = dest.with_name(dest.name + ".part")
     failures, attempts, started = 0, 0, time.monotonic()
     furthest = _own_file_size(part)
@@ -287,7 +289,7 @@ def http_download(url: str, dest: Path, *, retries: int = HTTP_RETRIES,
         while True:
             attempts += 1
             try:
-                _http_attempt(url, part, timeout_s, bar)
+                _http_attempt(url, part, timeout_s, bar, (started + budget_s, budget_s))
                 break
             except _Transient as exc:
                 size = _own_file_size(part)
@@ -309,7 +311,8 @@ def http_download(url: str, dest: Path, *, retries: int = HTTP_RETRIES,
     return dest
 
 
-def _http_attempt(url: str, part: Path, timeout_s: float, bar: tqdm) -> None:
+def _http_attempt(url: str, part: Path, timeout_s: float, bar: tqdm,
+                  budget: tuple[float, float]) -> None:
     """One GET from the current end of ``part``; raises _Transient when incomplete.
 
     A resumed request carries ``If-Range`` with the validator (strong ETag or Last-Modified)
@@ -343,7 +346,7 @@ def _http_attempt(url: str, part: Path, timeout_s: float, bar: tqdm) -> None:
         bar.total = total
         bar.n = offset
         bar.refresh()
-        received = _stream(response, part, offset, bar, url)
+        received = _stream(response, part, offset, bar, url, budget)
     size = offset + received
     if total is not None and size < total:
         raise _Transient(f"connection closed after {size} of {total} bytes")
@@ -423,12 +426,16 @@ def _range_total(content_range: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _stream(response, part: Path, offset: int, bar: tqdm, url: str) -> int:
+def _stream(response, part: Path, offset: int, bar: tqdm, url: str,
+            budget: tuple[float, float]) -> int:
     """Append the response body to ``part`` at ``offset``; return the bytes received.
 
-    A body without a length stops at ``max_download_bytes``."""
+    A body without a length stops at ``max_download_bytes``; one that trickles (fewer than
+    ``http_window_bytes`` in a ``http_stall_seconds`` window) is a stalled attempt; nothing
+    streams past the ``budget``'s deadline: (monotonic deadline, the budget in seconds)."""
     allowed = limits.get("max_download_bytes")
-    received = 0
+    stall_s, window_bytes = limits.get("http_stall_seconds"), limits.get("http_window_bytes")
+    received, window_start, in_window = 0, time.monotonic(), 0
     try:
         flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW   # never into a planted link
         with os.fdopen(os.open(part, flags, 0o600), "wb") as out:
@@ -436,11 +443,23 @@ def _stream(response, part: Path, offset: int, bar: tqdm, url: str) -> int:
             out.truncate()
             while True:
                 try:
-                    chunk = response.read(_CHUNK)
+                    chunk = response.read1(_CHUNK)     # what has arrived, not a full buffer
                 except (http.client.HTTPException, ConnectionError, TimeoutError) as exc:
                     raise _Transient(f"connection lost ({exc.__class__.__name__})") from None
                 if not chunk:
                     return received
+                now, in_window = time.monotonic(), in_window + len(chunk)
+                if now > budget[0]:
+                    raise StepError(f"download of {redact(url)} ran past its time budget of "
+                                    f"{budget[1]:g} s "
+                                    f"({limits.LIMITS['http_budget_seconds'].env}) after "
+                                    f"{offset + received + len(chunk)} bytes")
+                if now - window_start >= stall_s:
+                    if in_window < window_bytes:
+                        raise _Transient(f"stalled: {in_window} bytes in {now - window_start:.0f}"
+                                         f" s, fewer than {window_bytes} "
+                                         f"({limits.LIMITS['http_window_bytes'].env})")
+                    window_start, in_window = now, 0
                 if offset + received + len(chunk) > allowed:
                     limits.check("max_download_bytes", offset + received + len(chunk),
                                  f"download of {redact(url)} (still streaming)")

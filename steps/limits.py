@@ -56,6 +56,13 @@ LIMITS = {limit.name: limit for limit in (
     Limit("max_tar_header_bytes", 1 * MiB, "bytes",
           "one metadata block of a tar archive (a PAX header, a GNU long name), which is "
           "read whole into memory"),
+    Limit("http_budget_seconds", 6 * 3600, "seconds",
+          "one http(s) download from its first request, retries and waits included"),
+    Limit("http_stall_seconds", 60, "seconds",
+          "the window in which an http(s) download must receive http_window_bytes; a body "
+          "that trickles slower is a stalled attempt, retried"),
+    Limit("http_window_bytes", 64 * KiB, "bytes",
+          "what an http(s) download must receive in every http_stall_seconds"),
     Limit("max_memory_fraction", 80, "% of memory",
           "share of the step's memory that one planned allocation (a training batch, a "
           "synthetic volume) may take"),

@@ -1,11 +1,12 @@
 """Trust no input, round 3 (issue 37), the classes done so far: 2 a planted cache folder, 3 a
-step deletes only what it made, 4 no secret in any error line, 6 redirects stay on the
+step deletes only what it made, 4 no secret in any error line, 5 a slow server, 6 redirects stay on the
 schemes we speak, 8 error lines are lines, 9 the cases left from the earlier sets. Each
 refusal is exit 2 with exactly one ``error:`` line at the start of a line, no traceback, no
 secret."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import botocore.exceptions as bexc
@@ -122,6 +123,35 @@ def test_a_redirect_from_https_down_to_http_is_refused():
                                  "http://example.org/a.tar")
     assert handler.redirect_request(Request("http://example.org/a.tar"), None, 302, "Found",
                                     {}, "https://example.org/a.tar") is not None
+
+
+# ======================================== 5: a slow server cannot hold a step for ever
+def _trickle(h):
+    """A 1 MB body announced whole, sent a byte every 50 ms."""
+    h.send_response(200)
+    h.send_header("Content-Length", str(1 << 20))
+    h.end_headers()
+    for _ in range(1 << 20):
+        h.wfile.write(b"x")
+        h.wfile.flush()
+        time.sleep(0.05)
+
+
+def test_a_trickling_body_is_a_stall_and_the_download_has_a_total_budget(tmp_path, capsys,
+                                                                       monkeypatch):
+    monkeypatch.setenv("UNET_HTTP_STALL_SECONDS", "1")
+    monkeypatch.setenv("UNET_HTTP_WINDOW_BYTES", "1000")
+    monkeypatch.setenv("UNET_HTTP_BUDGET_SECONDS", "4")
+    server = _Http(_handler(_trickle))
+    started = time.monotonic()
+    try:
+        line = refused(download.main, ["--source", server.url, "--raw", tmp_path / "raw",
+                                       "--md5", "", "--no-progress"], capsys, "time budget")
+    finally:
+        server.close()
+    assert time.monotonic() - started < 15
+    assert server.requests >= 2, "a stalled attempt is retried"
+    assert "stalled" in line or "ran past" in line
 
 
 # ============================================== 3: a step deletes only what it made
