@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Sequence
 from urllib.error import HTTPError, URLError
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import urlsplit
 from urllib.request import HTTPRedirectHandler, Request, build_opener
 
 from tqdm import tqdm
@@ -53,7 +53,7 @@ from steps import __version__, limits, schemas, storage, uris
 from steps.artifacts import check_disjoint, clean_relative, publish, sha256_file
 from steps.errors import OneLineArgumentParser, StepError, run_main
 from steps.params import IO, add_artifacts
-from steps.synthetic import MIN_SHAPE, TASK, write_msd_task
+from steps.synthetic import TASK, write_msd_task
 from steps.uris import redact
 
 STEP = "download"
@@ -61,7 +61,6 @@ ARTIFACT = IO[STEP].writes
 DATASET_JSON = "dataset.json"
 # MONAI's DecathlonDataset md5 of the published tarball.
 PUBLISHED_MD5 = {"Task01_BrainTumour.tar": "240a19d752f0d9e9101544901065d872"}
-SYNTHETIC_DEFAULTS = {"cases": 10, "shape": "240x240x155", "seed": 0, "test": 0}
 
 HTTP_RETRIES = 5             # failed requests in a row without the file growing
 HTTP_BACKOFF_S = 1.0         # first wait; doubles per failure in a row, at most 60 s
@@ -123,54 +122,19 @@ def parse_source(uri: str) -> Source:
 
 
 def _synthetic_params(parsed: uris.Uri) -> dict[str, Any]:
-    """cases (≥1), shape (HxWxD), seed (≥0) and test (≥0) from the query string."""
-    uri, query = parsed.text, parsed.query
-    try:
-        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
-    except ValueError:
-        raise StepError(f"--source '{uri}': malformed query '{query}'") from None
-    params = dict(SYNTHETIC_DEFAULTS)
-    seen = set()
-    for key, value in pairs:
-        if key not in SYNTHETIC_DEFAULTS:
-            raise StepError(f"--source '{uri}': unknown parameter '{key}' (known: "
-                            f"{', '.join(SYNTHETIC_DEFAULTS)})")
-        if key in seen:
-            raise StepError(f"--source '{uri}': parameter '{key}' is given twice")
-        seen.add(key)
-        params[key] = value
-    out = {"cases": _int_param(uri, "cases", params["cases"], 1),
-           "seed": _int_param(uri, "seed", params["seed"], 0),
-           "test": _int_param(uri, "test", params["test"], 0),
-           "shape": _shape_param(uri, str(params["shape"]))}
+    """The query's parameters (``steps.uris.synthetic_params``, the rule render applies too),
+    held to this step's limits: the case count, and a case's size against the volume limit
+    and the memory this step has."""
+    uri = parsed.text
+    out = uris.synthetic_params(uri, parsed.query, "--source")
     limits.check("max_cases", out["cases"] + out["test"], f"--source '{uri}': cases + test")
-    return out
-
-
-def _int_param(uri: str, key: str, value: Any, minimum: int) -> int:
-    try:
-        number = int(str(value))
-    except ValueError:
-        raise StepError(f"--source '{uri}': {key}='{value}' is not an integer") from None
-    if number < minimum:
-        raise StepError(f"--source '{uri}': {key}={number} must be at least {minimum}")
-    return number
-
-
-def _shape_param(uri: str, value: str) -> tuple[int, int, int]:
-    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)", value.strip().lower())
-    if not match:
-        raise StepError(f"--source '{uri}': shape='{value}' is not HxWxD (e.g. 240x240x155)")
-    shape = tuple(int(g) for g in match.groups())
-    if any(s < m for s, m in zip(shape, MIN_SHAPE)):
-        raise StepError(f"--source '{uri}': shape={value} is smaller than the minimum "
-                        f"{'x'.join(map(str, MIN_SHAPE))}")
-    voxels = shape[0] * shape[1] * shape[2]
-    limits.check("max_volume_bytes", voxels * 4 * 4, f"--source '{uri}': shape={value} "
+    shape = "x".join(map(str, out["shape"]))
+    voxels = out["shape"][0] * out["shape"][1] * out["shape"][2]
+    limits.check("max_volume_bytes", voxels * 4 * 4, f"--source '{uri}': shape={shape} "
                  "(4 float32 channels)")
     # Generating a case holds the image, the tissue map and a few float32 temporaries.
-    limits.check_memory(voxels * 4 * 12, f"--source '{uri}': shape={value}")
-    return shape  # type: ignore[return-value]
+    limits.check_memory(voxels * 4 * 12, f"--source '{uri}': shape={shape}")
+    return out
 
 
 def resolve_md5(md5: str, source: Source) -> str | None:
@@ -733,7 +697,7 @@ def _parser() -> argparse.ArgumentParser:
              "https://... or http://... (resumed with Range requests); file:///path to a "
              ".tar/.tar.gz or to an extracted task directory (or its parent); "
              "synthetic://?cases=N&shape=HxWxD&seed=S&test=M for generated BraTS-like cases "
-             f"(defaults: {'&'.join(f'{k}={v}' for k, v in SYNTHETIC_DEFAULTS.items())})")
+             f"(defaults: {'&'.join(f'{k}={v}' for k, v in uris.SYNTHETIC_DEFAULTS.items())})")
     add_artifacts(parser, STEP)
     parser.add_argument(
         "--md5", default="auto", metavar="HEX",

@@ -46,6 +46,12 @@ def _escape_format(match: re.Match) -> str:
     return _escaped(char) if unicodedata.category(char) == "Cf" else char
 
 
+def unsafe_characters(text: str) -> bool:
+    """Whether ``text`` holds a control or format character (what :func:`one_line` escapes)."""
+    return bool(_CONTROL.search(text)) or any(
+        unicodedata.category(char) == "Cf" for char in _NON_ASCII.findall(text))
+
+
 def one_line(text: str) -> str:
     """``text`` as one printable line of at most MAX_LINE characters: every control and
     format character, line breaks included, is escaped (``\\n``, ``\\x1b``, ``\\u202e``), and

@@ -35,10 +35,12 @@ import nibabel as nib
 import numpy as np
 from tqdm import tqdm
 
+from steps import uris
+
 TASK = "Task01_BrainTumour"
 MODALITIES = {"0": "FLAIR", "1": "T1w", "2": "t1gd", "3": "T2w"}
 LABELS = {"0": "background", "1": "edema", "2": "non-enhancing tumor", "3": "enhancing tumour"}
-MIN_SHAPE = (24, 24, 12)
+MIN_SHAPE = uris.MIN_SHAPE
 FULL_SHAPE = (240, 240, 155)
 
 # Tissue index → relative intensity per modality (FLAIR, T1w, t1gd, T2w).

@@ -28,6 +28,9 @@ KINDS = ("s3", "http", "file", "path", "synthetic")
 SOURCE_KINDS = ("s3", "http", "file", "synthetic")      # download --source, download.source
 CHECKPOINT_KINDS = ("s3", "file", "path")               # train --checkpoint-uri, --resume-from
 BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,61}[a-z0-9]$")
+MAX_KEY_BYTES = 1024        # S3's limit on an object key, in UTF-8 bytes
+SYNTHETIC_DEFAULTS = {"cases": 10, "shape": "240x240x155", "seed": 0, "test": 0}
+MIN_SHAPE = (24, 24, 12)    # the smallest synthetic case (steps.synthetic)
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _SECRET_QUERY = re.compile(r"sig|token|key|credential|secret|password|auth", re.IGNORECASE)
@@ -122,7 +125,52 @@ def parse(text: str, flag: str, kinds: tuple[str, ...]) -> Uri:
         return Uri("file", text, path=Path(unquote(raw)))
     if parts.netloc or parts.path.strip("/"):
         raise StepError(f"{flag} '{shown}': write synthetic://?cases=N&shape=HxWxD&seed=S")
+    synthetic_params(text, parts.query, flag)        # refused here, at render or in the step
     return Uri("synthetic", text, query=parts.query)
+
+
+def synthetic_params(uri: str, query: str, flag: str) -> dict:
+    """cases (>= 1), shape (HxWxD, at least MIN_SHAPE), seed (>= 0) and test (>= 0) of a
+    ``synthetic://`` query; an unknown, repeated or malformed parameter is a StepError. The
+    size limits a step applies to them are the step's (steps.download)."""
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise StepError(f"{flag} '{uri}': malformed query '{query}'") from None
+    params, seen = dict(SYNTHETIC_DEFAULTS), set()
+    for key, value in pairs:
+        if key not in SYNTHETIC_DEFAULTS:
+            raise StepError(f"{flag} '{uri}': unknown parameter '{key}' (known: "
+                            f"{', '.join(SYNTHETIC_DEFAULTS)})")
+        if key in seen:
+            raise StepError(f"{flag} '{uri}': parameter '{key}' is given twice")
+        seen.add(key)
+        params[key] = value
+    return {"cases": _int_param(uri, flag, "cases", params["cases"], 1),
+            "seed": _int_param(uri, flag, "seed", params["seed"], 0),
+            "test": _int_param(uri, flag, "test", params["test"], 0),
+            "shape": _shape_param(uri, flag, str(params["shape"]))}
+
+
+def _int_param(uri: str, flag: str, key: str, value, minimum: int) -> int:
+    try:
+        number = int(str(value))
+    except ValueError:
+        raise StepError(f"{flag} '{uri}': {key}='{value}' is not an integer") from None
+    if number < minimum:
+        raise StepError(f"{flag} '{uri}': {key}={number} must be at least {minimum}")
+    return number
+
+
+def _shape_param(uri: str, flag: str, value: str) -> tuple[int, int, int]:
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)", value.strip().lower())
+    if not match:
+        raise StepError(f"{flag} '{uri}': shape='{value}' is not HxWxD (e.g. 240x240x155)")
+    shape = tuple(int(g) for g in match.groups())
+    if any(s < m for s, m in zip(shape, MIN_SHAPE)):
+        raise StepError(f"{flag} '{uri}': shape={value} is smaller than the minimum "
+                        f"{'x'.join(map(str, MIN_SHAPE))}")
+    return shape  # type: ignore[return-value]
 
 
 def _s3(text: str, flag: str, shown: str) -> Uri:
@@ -132,4 +180,7 @@ def _s3(text: str, flag: str, shown: str) -> Uri:
                         "(3-63 lower-case letters, digits, '.', '-')")
     if any(part in (".", "..") for part in key.split("/")):
         raise StepError(f"{flag} '{shown}': a key may not hold '.' or '..' segments")
+    if len(key.encode()) > MAX_KEY_BYTES:
+        raise StepError(f"{flag} '{shown}': the key is {len(key.encode())} bytes, more than "
+                        f"the {MAX_KEY_BYTES} S3 allows")
     return Uri("s3", text, bucket=bucket, key=key)

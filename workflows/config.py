@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Annotated, Any, Iterator, Literal, Sequence
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, create_model,
-                      field_validator, model_validator)
-from pydantic import AfterValidator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
+                      ValidationError, create_model, field_validator, model_validator)
 
 from steps import params, storage, uris
-from steps.errors import StepError
+from steps.errors import StepError, unsafe_characters
 from workflows import durations
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +44,6 @@ _TAG = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$"
 _LABEL_KEY = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
 _LABEL_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
 _TEMPLATE = re.compile(r"\{\{|\}\}")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _no_dot_segments(value: str) -> str:
@@ -54,7 +52,11 @@ def _no_dot_segments(value: str) -> str:
     return value
 
 
-KeyPrefix = Annotated[str, Field(pattern=_KEY_PREFIX), AfterValidator(_no_dot_segments)]
+# S3 keys hold at most 1024 bytes (uris.MAX_KEY_BYTES); the pipeline appends up to 512 to a
+# prefix (the workflow's and the pod's names, the artifact's files).
+MAX_PREFIX_BYTES = uris.MAX_KEY_BYTES - 512
+KeyPrefix = Annotated[str, Field(pattern=_KEY_PREFIX, max_length=MAX_PREFIX_BYTES),
+                      AfterValidator(_no_dot_segments)]
 EnvName = Annotated[str, Field(pattern=_ENV_NAME)]
 LabelKey = Annotated[str, Field(pattern=_LABEL_KEY)]
 LabelValue = Annotated[str, Field(pattern=_LABEL_VALUE)]
@@ -174,8 +176,16 @@ def _field(section: str, p: params.Param) -> tuple[Any, Any]:
         annotation = Annotated[annotation, AfterValidator(_pattern_check(p))]
     default = ... if p.default is None else p.default
     finite = {"allow_inf_nan": False} if p.type is float else {}   # as Param.parse
+    if p.type in (int, float):    # a number, never a boolean taken for 1 or 0
+        annotation = Annotated[annotation, BeforeValidator(_not_a_boolean)]
     return annotation, Field(default, ge=p.ge, gt=p.gt, le=p.le, description=p.help,
                              **finite)
+
+
+def _not_a_boolean(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError(f"a number, not the boolean {str(value).lower()}")
+    return value
 
 
 def _pattern_check(p: params.Param):
@@ -355,11 +365,38 @@ def _one_line(error: ValidationError, source: str) -> ConfigError:
                                                                          "must"))
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """YAML as the config means it: a key given twice in one mapping is an error (PyYAML
+    keeps the last), and only ``true``/``false`` are booleans (YAML 1.2), so that YAML 1.1's
+    ``yes``, ``no``, ``on`` and ``off`` stay words and are refused where a number or a
+    boolean is due, instead of silently becoming 1 or 0."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: key {key!r:.80} is "
+                                  "given twice in one mapping")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:bool",
+                                    re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                    list("tTfF"))
+
+
 def _yaml(text: str, where: str) -> Any:
-    """``text`` parsed as YAML; a syntax error or nesting that exhausts the parser's
-    recursion is one ConfigError line."""
+    """``text`` parsed as YAML (:class:`_StrictLoader`); a syntax error, a repeated key or
+    nesting that exhausts the parser's recursion is one ConfigError line."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_StrictLoader)   # noqa: S506 - a SafeLoader subclass
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark else ""
@@ -472,9 +509,9 @@ def _check_values(config: Config, source: str) -> None:
         if _TEMPLATE.search(text):
             raise ConfigError(f"{source}: {where}: must not contain '{{{{' or '}}}}' (config "
                               f"values are data, never Argo template; got {text[:80]!r})")
-        if _CONTROL.search(text):
+        if unsafe_characters(text):
             raise ConfigError(f"{source}: {where}: must not contain control characters "
-                              f"(got {text[:80]!r})")
+                              f"or Unicode format characters (got {text[:80]!r})")
 
 
 def _check_consistency(config: Config, source: str) -> None:

@@ -14,11 +14,14 @@ import numpy as np
 import pytest
 from tqdm import tqdm
 
-from conftest import assert_one_error_line
+from conftest import REPO, assert_one_error_line
 from steps import checkpoints, convert, download, storage
 from steps.artifacts import write_manifest
 from steps.errors import StepError, one_line, run_main
 from test_untrusted_inputs import _handler, _Http, call, nifti_file, onnx_model, refused
+from workflows import cli
+
+CONFIG = (REPO / "config" / "pipeline.yaml").read_text()
 
 pytestmark = pytest.mark.faults
 
@@ -210,6 +213,54 @@ def test_a_botocore_error_quoting_the_token_comes_out_redacted(monkeypatch):
     with pytest.raises(StepError) as caught, storage._errors(s3, "s3://bucket/key", "reading"):
         raise exc
     assert TOKEN not in str(caught.value) and "***" in str(caught.value)
+
+
+# ============================================================ 7: the config means what it says
+def _render_with(tmp_path: Path, capsys, text: str, *overrides: str) -> tuple[int, str]:
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(text)
+    out = tmp_path / "wf.yaml"
+    status, err = call(cli.main, ["render", "--config", config, "-o", out,
+                                  *[a for o in overrides for a in ("-p", o)]], capsys)
+    assert status != 0 or out.is_file()
+    return status, err
+
+
+def test_a_key_given_twice_is_an_error(tmp_path, capsys):
+    assert "\ntrain:\n  devices: 8 " in CONFIG
+    text = CONFIG.replace("\ntrain:\n", "\ntrain:\n  devices: 2\n", 1)
+    status, err = _render_with(tmp_path, capsys, text)
+    assert status == 2
+    assert_one_error_line(err, "'devices' is given twice")
+
+
+@pytest.mark.parametrize("word", ["yes", "no", "on", "off"])
+def test_yaml_1_1_booleans_are_not_numbers(word, tmp_path, capsys):
+    text = CONFIG.replace("\ntrain:\n  devices: 8 ", f"\ntrain:\n  devices: {word} ", 1)
+    status, err = _render_with(tmp_path, capsys, text)
+    assert status == 2
+    assert_one_error_line(err, "train.devices")
+
+
+def test_a_number_given_as_a_boolean_is_refused(tmp_path, capsys):
+    status, err = _render_with(tmp_path, capsys, CONFIG.replace(
+        "\ntrain:\n", "\ntrain:\n  max_epochs: true\n", 1))
+    assert status == 2
+    assert_one_error_line(err, "train.max_epochs", "not the boolean true")
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("download.source=synthetic://?cases=2&color=red", "unknown parameter 'color'"),
+    ("download.source=synthetic://?cases=2&cases=3", "'cases' is given twice"),
+    ("download.source=synthetic://?shape=8x8x8", "smaller than the minimum"),
+    ("resources.extra_env.NOTE=a\u202eb", "format characters"),
+    ("storage.models_prefix=" + "m/" * 300 + "x", "storage.models_prefix"),
+    ("train.resume_from=s3://bucket/" + "k" * 1100, "more than the 1024 S3 allows"),
+])
+def test_render_refuses_what_the_step_would(override, needle, tmp_path, capsys):
+    status, err = call(cli.main, ["render", "-o", tmp_path / "x.yaml", "-p", override], capsys)
+    assert status == 2, err
+    assert_one_error_line(err, needle)
 
 
 # ============================================================ 8: error lines are lines
