@@ -272,8 +272,8 @@ def run_torch(net, groups: list[SliceGroup]) -> list[np.ndarray]:
 def run_onnx(path: Path, groups: list[SliceGroup]) -> list[np.ndarray]:
     """Logits per group from onnxruntime's CPU execution provider."""
     session = predict.open_session(path)
-    return [session.run([OUTPUT_NAME], {INPUT_NAME: g.image})[0][..., :g.shape[0], :g.shape[1]]
-            for g in groups]
+    return [predict.run_model(session, g.image, f"the exported model {path}")
+            [..., :g.shape[0], :g.shape[1]] for g in groups]
 
 
 # Runs in a fresh interpreter (-I: no PYTHONPATH, no user site; cwd outside the repository)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import re
 import signal
@@ -185,6 +186,10 @@ def _run_reported(main, argv, step: str) -> int:
     except Stopped as stop:
         name = signal.Signals(stop.signum).name
         error_print(f"error: {step}: stopped by {name}; unfinished outputs were removed")
+        # What the stopped work held (an onnxruntime session among it) is freed now, not at
+        # interpreter exit, where a native library may abort the process instead of exiting.
+        stop.__traceback__ = None
+        gc.collect()
         return 128 + stop.signum
     except KeyboardInterrupt:
         error_print("error: interrupted")

@@ -63,6 +63,9 @@ LIMITS = {limit.name: limit for limit in (
           "that trickles slower is a stalled attempt, retried"),
     Limit("http_window_bytes", 64 * KiB, "bytes",
           "what an http(s) download must receive in every http_stall_seconds"),
+    Limit("max_inference_seconds", 600, "seconds",
+          "one onnxruntime call on a batch of slices (predict, convert's parity, quantize's "
+          "gate); a model that runs longer is stopped"),
     Limit("max_memory_fraction", 80, "% of memory",
           "share of the step's memory that one planned allocation (a training batch, a "
           "synthetic volume) may take"),

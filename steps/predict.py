@@ -15,12 +15,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import nibabel as nib
 import numpy as np
+import onnx
 import onnxruntime as ort
 from nibabel.orientations import apply_orientation, io_orientation, ornt_transform
 
@@ -33,6 +36,10 @@ from steps.preprocess import (channel_stats, foreground_box, image_channels_last
 INPUT_NAME = "image"
 OUTPUT_NAME = "logits"
 DEFAULT_BATCH = 16
+# Operator domains a model may use: ONNX's own and onnxruntime's built-in contrib operators
+# (its quantization tools write both); a custom domain needs a library this runtime lacks.
+OP_DOMAINS = ("", "ai.onnx", "com.microsoft")
+_WAIT_S = 0.2          # how often the main thread looks up from a running inference
 
 
 # ------------------------------------------------------------------------- padding
@@ -67,11 +74,78 @@ def open_session(path: Path | str):
     options.log_severity_level = 3
     # onnxruntime's default is one thread per core of the node, whatever the pod's share
     options.intra_op_num_threads = limits.threads()
+    check_graph(path)
     try:
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
-        reason = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise StepError(f"--onnx {path}: not a loadable ONNX model ({reason})") from None
+        raise StepError(f"--onnx {path}: not a loadable ONNX model ({_first_line(exc)})") \
+            from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
+def check_graph(path: Path | str) -> None:
+    """Every operator of the model (its subgraphs included) in :data:`OP_DOMAINS`, checked
+    before anything runs it: onnxruntime's quantization tools would otherwise meet a
+    custom-domain operator halfway through calibration."""
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # noqa: BLE001 - protobuf's and onnx's own error types
+        raise StepError(f"--onnx {path}: not a loadable ONNX model ({_first_line(exc)})") \
+            from None
+    graphs, domains = [model.graph], {o.domain for o in model.opset_import}
+    while graphs:
+        graph = graphs.pop()
+        for node in graph.node:
+            domains.add(node.domain)
+            for attribute in node.attribute:   # If, Loop and Scan bodies
+                graphs.extend([attribute.g] if attribute.HasField("g") else [])
+                graphs.extend(attribute.graphs)
+    foreign = sorted(d for d in domains if d not in OP_DOMAINS)
+    if foreign:
+        raise StepError(f"--onnx {path}: uses operators of the domain '{foreign[0]}', which "
+                        f"this runtime does not provide (allowed: ONNX's and com.microsoft)")
+
+
+def run_model(session, image: np.ndarray, where: str) -> np.ndarray:
+    """``session``'s logits for ``image`` (N, C, H, W) float32, with the model treated as
+    untrusted at run time: a failure inside onnxruntime (an index out of range, an input the
+    graph cannot take) is a StepError naming ``where``; an inference that runs longer than
+    ``max_inference_seconds`` is stopped (onnxruntime's ``RunOptions.terminate``) and refused;
+    SIGTERM or Ctrl-C stop it too (it runs in a worker thread, so the main thread's signal
+    handler is not held up by a graph that never ends)."""
+    options, result = ort.RunOptions(), {}
+    options.log_severity_level = 4       # its own report of a stopped run is not an error
+
+    def infer():
+        try:
+            result["logits"] = session.run([OUTPUT_NAME], {INPUT_NAME: image}, options)[0]
+        except Exception as exc:  # noqa: BLE001 - onnxruntime's Fail, InvalidArgument, ...
+            # Text only: the exception's traceback would tie this frame, and the session,
+            # into a cycle that outlives the step; onnxruntime aborts the process if a session
+            # is only freed at interpreter exit.
+            result["error"] = f"{type(exc).__name__}: {_first_line(exc)}"
+
+    worker = threading.Thread(target=infer, name="onnxruntime", daemon=True)
+    limit = limits.get("max_inference_seconds")
+    started = time.monotonic()
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(_WAIT_S)
+            if worker.is_alive() and time.monotonic() - started > limit:
+                raise StepError(f"{where}: one inference of {image.shape[0]} slices ran past "
+                                f"{limit} s ({limits.LIMITS['max_inference_seconds'].env}); "
+                                "the model was stopped")
+    except BaseException:
+        options.terminate = True
+        worker.join(10)
+        raise
+    if "error" in result:
+        raise StepError(f"{where}: the model failed while running ({result['error']})")
+    return result["logits"]
 
 
 def read_contract(session, path: Path | str) -> dict[str, Any]:
@@ -99,6 +173,13 @@ def check_contract(session, contract: dict[str, Any], path: Path | str) -> None:
     labels, channels = contract["labels"], contract["channels"]
     inputs = {i.name: i.shape for i in session.get_inputs()}
     outputs = {o.name: o.shape for o in session.get_outputs()}
+    types = {t.name: t.type for t in session.get_inputs() + session.get_outputs()}
+    if set(inputs) != {INPUT_NAME} or types.get(INPUT_NAME) != "tensor(float)" or \
+            types.get(OUTPUT_NAME) != "tensor(float)":
+        raise StepError(f"--onnx {path}: the graph takes {sorted(inputs)} "
+                        f"({types.get(INPUT_NAME)}) and gives {OUTPUT_NAME} "
+                        f"({types.get(OUTPUT_NAME)}); the metadata's contract is one float "
+                        f"input '{INPUT_NAME}' and float '{OUTPUT_NAME}'")
     for name, table, want in ((INPUT_NAME, inputs, len(channels)),
                               (OUTPUT_NAME, outputs, len(labels))):
         shape = table.get(name)
@@ -155,7 +236,7 @@ def segment(session, image: np.ndarray, multiple: int, n_classes: int,
     labels = np.empty((depth, height, width), dtype=np.uint8)
     for start in range(0, depth, batch):
         x = pad_to_multiple(image[:, start:start + batch].transpose(1, 0, 2, 3), multiple, fill)
-        logits = session.run([OUTPUT_NAME], {INPUT_NAME: x})[0]
+        logits = run_model(session, x, "the model")
         if logits.shape != (x.shape[0], n_classes) + x.shape[2:]:
             raise StepError(f"the model returned logits {list(logits.shape)} for input "
                             f"{list(x.shape)}; its metadata needs {n_classes} classes at the "

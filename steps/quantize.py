@@ -269,7 +269,7 @@ class OpenVINOSession:
     def __init__(self, compiled):
         self.compiled = compiled
 
-    def run(self, names, feeds):
+    def run(self, names, feeds, run_options=None):
         return [self.compiled(feeds)[0]]
 
 
@@ -335,11 +335,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     calibration = calibration_set(open_cases(args.dataset, meta, train_names),
                                   args.calibration_slices, args.calibration_seed, patch)
     recorded = {p.name: getattr(args, p.name) for p in params.QUANTIZE}
+    fp32 = predict.open_session(args.exported / FP32_FILE)   # its graph checked before use
+    predict.check_contract(fp32, {"labels": meta["labels"], "channels": meta["channels"]},
+                           args.exported / FP32_FILE)
     with publish(args.quantized, "quantized", STEP, recorded) as out:
         kept = quantize(args.exported / FP32_FILE, out / INT8_FILE, calibration,
                         args.calibration_method, args.float_layers)
-        sessions = {"fp32": predict.open_session(args.exported / FP32_FILE),
-                    "int8": predict.open_session(out / INT8_FILE)}
+        sessions = {"fp32": fp32, "int8": predict.open_session(out / INT8_FILE)}
         openvino = openvino_ir(args.exported / FP32_FILE, out / OPENVINO_FILE, calibration,
                                kept)
         if openvino is not None and openvino[0] is not None:

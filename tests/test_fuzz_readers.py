@@ -170,10 +170,10 @@ class _Session:
         return SimpleNamespace(custom_metadata_map=self.props)
 
     def get_inputs(self):
-        return [SimpleNamespace(name="image", shape=["N", 4, "H", "W"])]
+        return [SimpleNamespace(name="image", shape=["N", 4, "H", "W"], type="tensor(float)")]
 
     def get_outputs(self):
-        return [SimpleNamespace(name="logits", shape=["N", 4, "H", "W"])]
+        return [SimpleNamespace(name="logits", shape=["N", 4, "H", "W"], type="tensor(float)")]
 
 
 @settings(**SETTINGS)

@@ -22,7 +22,7 @@ class LabelReader:
     def __init__(self, flips: bool):
         self.flips = flips
 
-    def run(self, names, feeds):
+    def run(self, names, feeds, run_options=None):
         x = feeds["image"]                                        # (N, C, H, W)
         labels = np.rint(x[:, 0]).astype(np.int64)
         if self.flips:

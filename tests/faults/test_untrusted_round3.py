@@ -1,4 +1,5 @@
-"""Trust no input, round 3 (issue 37), the classes done so far: 2 a planted cache folder, 3 a
+"""Trust no input, round 3 (issue 37), the classes done so far: 1 a model is untrusted at run
+time, 2 a planted cache folder, 3 a
 step deletes only what it made, 4 no secret in any error line, 5 a slow server, 6 redirects stay on the
 schemes we speak, 8 error lines are lines, 9 the cases left from the earlier sets. Each
 refusal is exit 2 with exactly one ``error:`` line at the start of a line, no traceback, no
@@ -15,7 +16,7 @@ import pytest
 from tqdm import tqdm
 
 from conftest import REPO, assert_one_error_line
-from steps import checkpoints, convert, download, storage
+from steps import checkpoints, convert, download, predict, storage
 from steps.artifacts import write_manifest
 from steps.errors import StepError, one_line, run_main
 from test_untrusted_inputs import _handler, _Http, call, nifti_file, onnx_model, refused
@@ -325,3 +326,119 @@ def test_predict_out_that_is_not_nifti_is_refused(name, tmp_path, capsys):
     refused(convert.main, ["predict", "--onnx", model, "--image", image, "--out",
                            tmp_path / name], capsys, "--out", "must end with .nii.gz or .nii")
     assert not (tmp_path / name).exists()
+
+
+# ============================================= 1: a model is untrusted input at run time too
+def _model(path: Path, nodes, initializers=(), image_type=None, functions=()) -> Path:
+    """A one-channel, two-class model with steps.convert's metadata: ``nodes`` map ``image``
+    (N, 1, H, W) to ``logits`` (N, 2, H, W)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        nodes, "hostile",
+        [helper.make_tensor_value_info("image", image_type or TensorProto.FLOAT,
+                                       ["N", 1, "H", "W"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 2, "H", "W"])],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in initializers])
+    opsets = [helper.make_opsetid("", 17)] + [helper.make_opsetid(d, 1) for d in functions]
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = 8
+    contract = {"channels": ["T2w"], "mode": "default", "size_multiple": 8,
+                "normalisation": {"method": "zscore"}}
+    for key, value in sorted(convert.onnx_metadata(contract, {"0": "bg", "1": "fg"}).items()):
+        model.metadata_props.add(key=key, value=value)
+    onnx.save(model, str(path))
+    return path
+
+
+def _two_channels():
+    from onnx import helper
+    return [helper.make_node("Concat", ["image", "image"], ["both"], axis=1)]
+
+
+def _case(tmp_path: Path) -> Path:
+    return nifti_file(tmp_path / "case.nii.gz",
+                      np.random.default_rng(0).random((16, 16, 8)).astype(np.float32) + 1)
+
+
+def _predict(model: Path, tmp_path: Path, capsys) -> tuple[int, str]:
+    return call(convert.main, ["predict", "--onnx", model, "--image", _case(tmp_path), "--out",
+                               tmp_path / "label.nii.gz"], capsys)
+
+
+def test_a_model_that_fails_while_running_is_one_line(tmp_path, capsys):
+    from onnx import helper
+    nodes = _two_channels() + [helper.make_node("Gather", ["both", "index"], ["logits"],
+                                                axis=1)]
+    model = _model(tmp_path / "m.onnx", nodes, [("index", np.array([0, 7], np.int64))])
+    status, err = _predict(model, tmp_path, capsys)
+    assert status == 2
+    assert_one_error_line(err, "the model failed while running")
+    assert not (tmp_path / "label.nii.gz").exists()
+
+
+def test_a_model_whose_input_is_not_float_is_refused_before_it_runs(tmp_path, capsys):
+    from onnx import TensorProto, helper
+    nodes = [helper.make_node("Cast", ["image"], ["f"], to=TensorProto.FLOAT),
+             helper.make_node("Concat", ["f", "f"], ["logits"], axis=1)]
+    model = _model(tmp_path / "m.onnx", nodes, image_type=TensorProto.DOUBLE)
+    status, err = _predict(model, tmp_path, capsys)
+    assert status == 2
+    assert_one_error_line(err, "tensor(double)", "one float input 'image'")
+
+
+def test_a_custom_domain_operator_is_refused_before_anything_runs_it(tmp_path, capsys):
+    from onnx import helper
+    nodes = [helper.make_node("Concat", ["image", "image"], ["both"], axis=1),
+             helper.make_node("Secret", ["both"], ["logits"], domain="com.example")]
+    model = _model(tmp_path / "m.onnx", nodes, functions=["com.example"])
+    with pytest.raises(StepError, match="domain 'com.example'"):
+        predict.open_session(model)
+
+
+def _endless_model(path: Path) -> Path:
+    """A Loop with no end (trip count 2**62, condition always true) whose result feeds the
+    logits, so onnxruntime cannot skip it."""
+    from onnx import TensorProto, helper
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+         helper.make_node("Add", ["v_in", "one"], ["v_out"])], "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_in", TensorProto.FLOAT, [])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_out", TensorProto.FLOAT, [])],
+        [helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])])
+    nodes = _two_channels() + [
+        helper.make_node("Loop", ["trips", "yes", "zero"], ["v"], body=body),
+        helper.make_node("Mul", ["v", "nothing"], ["v0"]),
+        helper.make_node("Add", ["both", "v0"], ["logits"])]
+    return _model(path, nodes, [("trips", np.array(2 ** 62, np.int64)),
+                                ("yes", np.array(True)), ("zero", np.array(0.0, np.float32)),
+                                ("nothing", np.array(0.0, np.float32))])
+
+
+def test_an_endless_model_is_bounded_in_time(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("UNET_MAX_INFERENCE_SECONDS", "2")
+    model = _endless_model(tmp_path / "m.onnx")
+    started = time.monotonic()
+    status, err = _predict(model, tmp_path, capsys)
+    assert status == 2 and time.monotonic() - started < 60
+    assert_one_error_line(err, "ran past 2 s", "UNET_MAX_INFERENCE_SECONDS")
+
+
+@pytest.mark.slow
+def test_sigterm_stops_an_endless_model(tmp_path):
+    import signal
+    import subprocess
+    model = _endless_model(tmp_path / "m.onnx")
+    proc = subprocess.Popen([sys.executable, "-m", "steps.convert", "predict", "--onnx", model,
+                             "--image", _case(tmp_path), "--out", tmp_path / "label.nii.gz"],
+                            cwd=REPO, stderr=subprocess.PIPE, text=True)
+    time.sleep(8)                     # well inside the endless inference
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "stopped by SIGTERM" in err and "Traceback" not in err
+    assert not (tmp_path / "label.nii.gz").exists()
