@@ -400,14 +400,22 @@ def get_bytes(uri: str, client=None, limit: int | None = None) -> bytes:
         response = s3.get_object(Bucket=bucket, Key=key)
         if limit is None:
             return response["Body"].read()
-        data = b""
-        if response.get("ContentLength", 0) <= limit:
-            data = response["Body"].read(limit + 1)
-        if response.get("ContentLength", 0) > limit or len(data) > limit:
-            response["Body"].close()
-            raise StorageError(f"reading {uri}: the object is larger than the {limit} bytes "
-                               "allowed")
-        return data
+
+        def refuse(size: int) -> None:
+            if size > limit:
+                response["Body"].close()
+                raise StorageError(f"reading {uri}: the object is larger than the {limit} "
+                                   "bytes allowed")
+        return _bounded_body(response, limit, refuse)
+
+
+def _bounded_body(response: dict, limit: int, refuse: Callable[[int], None]) -> bytes:
+    """An object's body, never read past ``limit`` + 1 bytes: ``refuse(size)`` (which raises
+    when the size is too large) sees its announced size before the read and what was read."""
+    refuse(int(response.get("ContentLength", 0)))
+    data = response["Body"].read(limit + 1)
+    refuse(len(data))
+    return data
 
 
 def upload_file(path: Path | str, uri: str, client=None, *, progress: bool = False,
@@ -521,15 +529,6 @@ def _safe_relative(rel: str, uri: str) -> PurePosixPath:
     return path
 
 
-def _bounded_json(response: dict, where: str) -> bytes:
-    """A JSON object's body, held to ``max_json_bytes`` by its announced size before it is
-    read, and never read past that bound."""
-    limits.check("max_json_bytes", int(response.get("ContentLength", 0)), where)
-    data = response["Body"].read(limits.get("max_json_bytes") + 1)
-    limits.check("max_json_bytes", len(data), where)
-    return data
-
-
 def download_dir(uri: str, local_dir: Path | str, client=None, *, artifact: str | None = None,
                  require_manifest: bool = True, check_hashes: bool = True,
                  config: TransferConfig | None = None, progress: bool = True) -> int:
@@ -547,8 +546,10 @@ def download_dir(uri: str, local_dir: Path | str, client=None, *, artifact: str 
     s3 = client or client_for(uri)
     with _errors(s3, uri, "downloading"):
         try:
-            raw = _bounded_json(s3.get_object(Bucket=bucket, Key=prefix + MANIFEST),
-                                f"{uri}/{MANIFEST}")
+            where = f"{uri}/{MANIFEST}"
+            raw = _bounded_body(s3.get_object(Bucket=bucket, Key=prefix + MANIFEST),
+                                limits.get("max_json_bytes"),
+                                lambda size: limits.check("max_json_bytes", size, where))
         except bexc.ClientError as exc:
             if not _is_missing(exc):
                 raise
