@@ -2,7 +2,7 @@
 # Build the single-node cluster's binaries and images from the Go module proxy and Debian's
 # packages into a version-keyed cache: ~/.cache/unet-cluster/<component>-<version>/.
 # Nothing is built inside this repository. A stage whose folder has .done is skipped.
-#   bash cluster/build.sh [etcd|kubernetes|images|argo|argoexec-image|training-operator ...]
+#   bash cluster/build.sh [etcd|kubernetes|images|ui|argo|argoexec-image|training-operator ...]
 #   (default: all but training-operator, in order; the operator is only for the multi-node tests)
 # Heavy work runs under `nice -n 19`; each stage's wall time and size go to $CACHE/build-times.tsv.
 set -euo pipefail
@@ -66,18 +66,66 @@ build_kubernetes() {
     -o "$d/bin/pause" "$up/build/pause/linux/pause.c"
 }
 
-build_argo() {
-  local d="$1" v src
-  v="$(argo_version)"; cd "$d"
+argo_module() {  # the Argo module's folder in the module cache (downloaded if needed)
+  local v; v="$(argo_version)"
   go mod download "github.com/argoproj/argo-workflows/v4@$v"
-  # A writable copy of the module, so that ui/embed.go's `//go:embed dist/app` finds a
-  # placeholder page (Argo's own Dockerfile does `touch ui/dist/app/index.html` the same way);
-  # Argo's UI is not built.
+  go list -m -f '{{.Dir}}' "github.com/argoproj/argo-workflows/v4@$v"
+}
+
+# The lockfile's git dependency is argo-ui; where GitHub cannot be reached it is pointed at the
+# vendored copy of the same commit (checked by sha256): package.json's pin becomes a file:
+# dependency and the lockfile's entry is renamed to match, its dependencies untouched.
+vendor_argo_ui() {  # UI_FOLDER
+  local ui="$1" tgz="$VENDOR/argo-ui-${ARGO_UI_COMMIT:0:12}.tar.gz" git pin others
+  git="git+https://github.com/argoproj/argo-ui.git"
+  pin="$(sed -n "s|.*\"argo-ui\": \"$git#\([0-9a-f]*\)\".*|\1|p" "$ui/package.json")"
+  [[ "$pin" == "$ARGO_UI_COMMIT" ]] \
+    || die "ui: ui/package.json pins argo-ui at '${pin:-no git commit}', the vendored copy is $ARGO_UI_COMMIT"
+  others="$(grep -o 'resolved "git+[^"#]*' "$ui/yarn.lock" | grep -v "$git" || true)"
+  [[ -z "$others" ]] || die "ui: yarn.lock has git dependencies no registry serves: ${others//$'\n'/ }"
+  [[ -f "$tgz" ]] || die "ui: GitHub is unreachable and $tgz is absent (UNET_VENDOR)"
+  echo "$ARGO_UI_SHA256  $tgz" | sha256sum -c --quiet - > /dev/null 2>&1 \
+    || die "ui: $tgz does not match its sha256 $ARGO_UI_SHA256"
+  tar -xzf "$tgz" -C "$(dirname "$ui")"
+  sed -i "s|\"argo-ui\": \"$git#$pin\"|\"argo-ui\": \"file:../argo-ui\"|" "$ui/package.json"
+  sed -i -e "s|^\"argo-ui@$git#$pin\":|\"argo-ui@file:../argo-ui\":|" \
+    -e "\|^  resolved \"$git#$pin\"|d" "$ui/yarn.lock"
+  log "ui: argo-ui from $tgz (GitHub unreachable)"
+}
+
+build_ui() {
+  # Argo's UI as its Makefile builds it (`yarn --cwd ui build`, NODE_ENV=production), from the
+  # running version's own ui/ source and frozen yarn.lock; webpack also copies ../api's schema.
+  # Only dist/app is kept (~33 MB); yarn's cache and node_modules (~1.4 GB) are dropped.
+  local d="$1" v mod work yarn
+  v="$(argo_version)"; mod="$(argo_module)"; work="$d/work"
+  mkdir -p "$work"; cp -r "$mod/ui" "$mod/api" "$work/"; chmod -R u+w "$work"
+  "${NICE[@]}" npm install --silent --no-audit --no-fund --prefix "$work/yarn" "yarn@$YARN_VERSION"
+  yarn="$work/yarn/node_modules/.bin/yarn"
+  if timeout 20 git ls-remote https://github.com/argoproj/argo-ui.git HEAD > /dev/null 2>&1; then
+    log "ui: argo-ui from GitHub, the upstream yarn.lock as it is"
+  else
+    vendor_argo_ui "$work/ui"
+  fi
+  cd "$work/ui"
+  YARN_CACHE_FOLDER="$work/yarn-cache" "${NICE[@]}" "$yarn" install --frozen-lockfile \
+    --non-interactive --ignore-optional --network-timeout 600000 --silent
+  NODE_OPTIONS=--max-old-space-size=2048 VERSION="$v" YARN_CACHE_FOLDER="$work/yarn-cache" \
+    "${NICE[@]}" "$yarn" build > "$d/webpack.log" 2>&1 || { tail -n 30 "$d/webpack.log" >&2; die "ui: yarn build failed"; }
+  compgen -G "dist/app/main.*.js" > /dev/null || die "ui: yarn build made no dist/app/main.*.js"
+  mv dist/app "$d/app"; cd "$d"; rm -rf "$work"
+}
+
+build_argo() {
+  local d="$1" v src ui
+  v="$(argo_version)"; ui="$(ui_dir)"; cd "$d"
+  # ui/embed.go embeds dist/app with go:embed and argo server has no flag for another folder:
+  # the UI built by the ui stage goes into a writable copy of the module before `go build`.
+  [[ -f "$ui/.done" ]] || die "argo: build the UI first (cluster/build.sh ui)"
   src="$d/src"
-  cp -r "$(go list -m -f '{{.Dir}}' "github.com/argoproj/argo-workflows/v4@$v")" "$src"
-  chmod -R u+w "$src"; mkdir -p "$src/ui/dist/app"
-  echo '<!doctype html><title>Argo</title><p>Argo UI not built: the API is at /api/v1.</p>' \
-    > "$src/ui/dist/app/index.html"
+  cp -r "$(argo_module)" "$src"
+  chmod -R u+w "$src"; rm -rf "$src/ui/dist"; mkdir -p "$src/ui/dist"
+  cp -r "$ui/app" "$src/ui/dist/app"
   # In git, workflow/executor/osspecific/signal_linux.go is a symlink to signal_darwin.go;
   # module zips drop symlinks, so the module as served lacks it and argoexec does not compile
   # ("undefined: Setpgid"). Put the link back in the copy.
@@ -134,11 +182,11 @@ build_images() {  # pause (sandbox image) and a Debian base that is also the hel
 build_argoexec_image() {  # Argo's Dockerfile target `argoexec`, on our Debian base
   local d="$1" v ctx="$1/ctx"
   v="$(argo_version)"
-  [[ -x "$CACHE/argo-$v/bin/argoexec" && -f "$IMAGES_DIR/debian.tar" ]] || die "build argo and images first"
+  [[ -x "$(argo_dir)/bin/argoexec" && -f "$IMAGES_DIR/debian.tar" ]] || die "build argo and images first"
   ensure_podman; mkdir -p "$ctx"
   podman image exists "localhost/unet-cluster/debian:$DEBIAN_SUITE" \
     || podman load -q -i "$IMAGES_DIR/debian.tar" > /dev/null
-  cp "$CACHE/argo-$v/bin/argoexec" "$ctx/argoexec"
+  cp "$(argo_dir)/bin/argoexec" "$ctx/argoexec"
   printf 'FROM localhost/unet-cluster/debian:%s\nCOPY argoexec /bin/argoexec\nENTRYPOINT ["argoexec"]\n' \
     "$DEBIAN_SUITE" > "$ctx/Containerfile"
   podman build -q -t "localhost/unet-cluster/argoexec:$v" "$ctx" > /dev/null
@@ -146,16 +194,17 @@ build_argoexec_image() {  # Argo's Dockerfile target `argoexec`, on our Debian b
   rm -rf "$ctx"
 }
 
-stages=("$@"); [[ ${#stages[@]} -gt 0 ]] || stages=(etcd kubernetes images argo argoexec-image)
+stages=("$@"); [[ ${#stages[@]} -gt 0 ]] || stages=(etcd kubernetes images ui argo argoexec-image)
 for s in "${stages[@]}"; do
   case "$s" in
     etcd) run_stage etcd "$ETCD_DIR" build_etcd ;;
     kubernetes) run_stage kubernetes "$K8S_DIR" build_kubernetes ;;
-    argo) run_stage argo "$CACHE/argo-$(argo_version)" build_argo ;;
+    ui) run_stage ui "$(ui_dir)" build_ui ;;
+    argo) run_stage argo "$(argo_dir)" build_argo ;;
     images) run_stage images "$IMAGES_DIR" build_images ;;
     argoexec-image) run_stage argoexec-image "$CACHE/argoexec-image-$(argo_version)" build_argoexec_image ;;
     training-operator) run_stage training-operator "$OPERATOR_DIR" build_training_operator ;;
-    *) die "unknown stage $s (etcd, kubernetes, images, argo, argoexec-image, training-operator)" ;;
+    *) die "unknown stage $s (etcd, kubernetes, images, ui, argo, argoexec-image, training-operator)" ;;
   esac
 done
 log "build: $(du -sh "$CACHE" | cut -f1) in $CACHE"

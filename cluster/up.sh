@@ -11,7 +11,7 @@ target="${1:-argo}"
 case "$target" in etcd) last=1 ;; control-plane) last=2 ;; node) last=3 ;; argo) last=4 ;;
   *) die "unknown stage $target (etcd, control-plane, node, argo)" ;; esac
 ARGO_V="$(argo_version)"
-ARGO_DIR="$CACHE/argo-$ARGO_V"
+ARGO_DIR="$(argo_dir)"
 K="$K8S_DIR/bin"
 PKI="$STATE/pki"
 t_start=$(date +%s)
@@ -310,6 +310,10 @@ KUBECONFIG="$STATE/argo.conf" start argo-server "$ARGO_DIR/bin/argo" server --au
   --secure=false --port=2746 --namespaced=false
 wait_for "workflow-controller /healthz" 90 curl -sf http://127.0.0.1:6060/healthz
 wait_for "argo server /api/v1/version" 90 curl -sf http://127.0.0.1:2746/api/v1/version
+# The UI that argo server embeds is the one cluster/build.sh built from source (its webpack
+# bundle), never a placeholder page.
+curl -sf http://127.0.0.1:2746/ | grep -Eq '<script[^>]* src="[^"]*main\.[0-9a-f]+\.js"' \
+  || die "argo server serves no built UI at / (cluster/build.sh ui argo)"
 # The executor needs to write WorkflowTaskResults (Argo's manifests/quick-start executor role).
 kc apply -f - > /dev/null <<EOF
 apiVersion: v1
@@ -345,7 +349,7 @@ EOF
 wait_for "hello Workflow Succeeded" 180 \
   kc -n argo wait --for=jsonpath='{.status.phase}'=Succeeded workflow/hello --timeout=5s
 log "  hello Workflow output: $(kc -n argo get workflow hello -o jsonpath='{.status.nodes.hello.outputs.parameters[0].value}')"
-# The same through `argo server`, as the CLI and the UI reach it (auth-mode server ignores the
+# The same through `argo server`, as the CLI and the UI (http://127.0.0.1:2746/) reach it (auth-mode server ignores the
 # token, but the CLI wants one).
 ARGO_SERVER=127.0.0.1:2746 ARGO_SECURE=false ARGO_HTTP1=true ARGO_TOKEN=unused \
   "$ARGO_DIR/bin/argo" -n argo get hello -o name > /dev/null || die "argo server does not list the hello Workflow"

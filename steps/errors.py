@@ -18,6 +18,7 @@ import gc
 import os
 import re
 import signal
+import stat
 import sys
 import threading
 import traceback
@@ -30,6 +31,16 @@ EXIT_INPUT_ERROR = 2
 # so this file is how the job learns that its input was bad (workflows/multinode.py).
 INPUT_ERROR_FILE_ENV = "UNET_INPUT_ERROR_FILE"
 EXIT_UNEXPECTED = 1
+# The container's termination message: the kubelet mounts this file (mode 0666) into every
+# container and copies what it holds into the container's terminated state
+# (terminationMessagePath, default /dev/termination-log, at most 4096 bytes; Kubernetes
+# v1.35.4 pkg/kubelet/kuberuntime/kuberuntime_container.go, makeMounts and
+# getTerminationMessage). Argo's controller appends it to the node's message ("main: Error
+# (exit code 2): error: ...", v4.0.5 workflow/controller/operator.go, inferFailedReason),
+# which the UI and `argo get` show. Written only where the file exists.
+TERMINATION_LOG_ENV = "UNET_TERMINATION_LOG"
+TERMINATION_LOG = "/dev/termination-log"
+MAX_TERMINATION_BYTES = 4096
 MAX_LINE = 600            # characters of one error line: a quoted input is cut in its middle
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")   # C0, DEL, C1, line separators
 _NON_ASCII = re.compile("[^\x00-\x7f]")
@@ -87,10 +98,25 @@ class _LineTracker:
 
 
 def error_print(line: str) -> None:
-    """Print ``line`` (an ``error:`` line) to stderr at the start of a line."""
+    """Print ``line`` (an ``error:`` line) to stderr at the start of a line, and make it the
+    container's termination message where there is one."""
     if not getattr(sys.stderr, "at_line_start", True):
         sys.stderr.write("\n")
     print(line, file=sys.stderr)
+    _termination_message(line)
+
+
+def _termination_message(line: str) -> None:
+    """``line`` into the kubelet's termination-message file, replacing what it held; nothing
+    where the file is absent (outside a pod) or not a regular file (never created, no link
+    followed)."""
+    path = os.environ.get(TERMINATION_LOG_ENV, TERMINATION_LOG)
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "wb") as f:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                f.truncate(0)
+                f.write(line.encode("utf-8", "replace")[:MAX_TERMINATION_BYTES])
 
 
 def report_input_error(message: str) -> None:

@@ -248,7 +248,7 @@ class StepIO:
     reads: dict[str, str]                  # input artifact -> what the step takes from it
     writes: str                            # its one output artifact (a key of ARTIFACTS)
     outputs: tuple[str, ...] = ()          # small results, <writes>/OUTPUTS_DIR/<name>
-    files: dict[str, str] = field(default_factory=dict)   # artifact name -> a file of writes
+    files: dict[str, str] = field(default_factory=dict)   # artifact name -> a part of writes
     release: str | None = None             # also stored at models/<model>/<workflow><release>
 
 
@@ -263,6 +263,12 @@ ARTIFACTS = {
     "quantized": "the INT8 model, its figures and model card",
 }
 
+# The training report's folder in the model (report.html and the figures it shows) is an
+# artifact of its own, so that the Argo UI opens the page with its figures beside it: argo
+# server serves a file of a folder artifact at .../outputs/report/<file>, where the page's
+# relative links resolve (v4.0.5 server/artifacts/artifact_server.go, GetArtifactFile).
+REPORT_FOLDER = "report"
+
 IO = {
     "download": StepIO(reads={}, writes="raw"),
     "preprocess": StepIO(
@@ -271,7 +277,7 @@ IO = {
         writes="dataset"),
     "train": StepIO(
         reads={"dataset": "the preprocessed cases and their folds"}, writes="model",
-        outputs=("mean_dice", "best_epoch", "img_per_s"), files={"report": "report.html"}),
+        outputs=("mean_dice", "best_epoch", "img_per_s"), files={"report": REPORT_FOLDER}),
     "convert": StepIO(
         reads={"model": "best.pt from steps.train",
                "dataset": "its validation slices are the parity inputs and its dataset.json "

@@ -66,7 +66,9 @@ def plot_overlays(samples: list[dict[str, Any]], path: Path) -> None:
 
 def write_report(out: Path, metrics: dict[str, Any], label_names: dict[str, str],
                  samples: list[dict[str, Any]]) -> None:
-    """Write ``curves.png``, ``overlays.png`` and ``report.html`` into ``out``."""
+    """Write ``curves.png``, ``overlays.png`` and ``report.html`` (which shows them by their
+    relative names) into the folder ``out``, made here."""
+    out.mkdir(exist_ok=True)
     epochs = metrics["epochs"]
     plot_curves(epochs, label_names, out / "curves.png")
     plot_overlays(samples, out / "overlays.png")

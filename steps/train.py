@@ -11,7 +11,7 @@ Dice + CE and deep supervision (steps.losses) on stateless 2D batches augmented 
                           "dataset_manifest_sha256", "patch_size", "channels", "labels",
                           "format_version"}; torch.load(weights_only=True) loads them
     metrics.json         one record per epoch (loss, Dice per class and mean, img/s, ...)
-    report.html, curves.png, overlays.png
+    report/ (report.html, curves.png, overlays.png)
     argo-outputs/{mean_dice,best_epoch,img_per_s}   plain text, for Argo output parameters
 
 ``--devices N`` with N > 1 re-launches this module under ``torch.distributed.run`` (or is
@@ -733,7 +733,7 @@ def write_model(plan: Plan, trainer: Trainer, samples: list[dict[str, Any]]) -> 
         torch.save(model_payload(plan, last_state, {**metrics, "epoch": last}),
                    out / "last.pt")
         (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
-        write_report(out, metrics, labels, samples)
+        write_report(out / params.REPORT_FOLDER, metrics, labels, samples)
         write_outputs(out, STEP, {"mean_dice": f"{p.best_dice:.4f}",
                                   "best_epoch": str(p.best_epoch),
                                   "img_per_s": f"{last['img_per_s']:.1f}"})

@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -196,6 +197,15 @@ def api(argo: ArgoServer, verb: str, name: str, body: dict) -> dict:
                          json={"name": name, "namespace": argo.namespace, **body}, timeout=60)
     assert reply.ok, f"{verb} {name}: HTTP {reply.status_code} {reply.text[:300]}"
     return reply.json()
+
+
+def cli(*args: str, timeout: float = WAIT_S + 60) -> subprocess.CompletedProcess:
+    """``workflows/unet.py ARGS --profile cluster`` against the cluster's argo server, as a
+    user runs it."""
+    env = {**os.environ, "ARGO_SERVER": ARGO_URL.removeprefix("http://"), "ARGO_SECURE": "false",
+           "ARGO_TOKEN": "unused", "ARGO_NAMESPACE": NAMESPACE}
+    return subprocess.run([sys.executable, "workflows/unet.py", *args, "--profile", PROFILE],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def keys(server: SeaweedServer, prefix: str) -> list[str]:

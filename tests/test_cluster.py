@@ -27,8 +27,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -43,8 +41,8 @@ from emulator.dag import pod_name
 from emulator.runner import run_workflow
 from workflows.s3server import SeaweedServer
 
-from real_cluster import (BUCKET, CFG, CONTROLLER_NAMESPACE, IMAGE, NAMESPACE, PROFILE, REPO,
-                          WAIT_S, api, compiled, keys, kubectl, template, text, unique, wait)
+from real_cluster import (BUCKET, CFG, CONTROLLER_NAMESPACE, IMAGE, NAMESPACE, REPO, api, cli,
+                          compiled, keys, kubectl, template, text, unique, wait)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -269,13 +267,6 @@ def test_manifests_on_the_real_api_server(argo):
 
 
 # ---- 1. publish and submit as a user does ----------------------------------------------------
-def cli(*args: str, timeout: float = WAIT_S + 60) -> subprocess.CompletedProcess:
-    env = {**os.environ, "ARGO_SERVER": "127.0.0.1:2746", "ARGO_SECURE": "false",
-           "ARGO_TOKEN": "unused", "ARGO_NAMESPACE": NAMESPACE}
-    return subprocess.run([sys.executable, "workflows/unet.py", *args, "--profile", PROFILE],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.fixture(scope="session")
 def first_run(argo, store) -> dict:
     """``publish``, then ``submit --watch``: the workflow as the server reports it."""

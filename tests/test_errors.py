@@ -47,3 +47,30 @@ def test_memory_error_is_reported_as_out_of_memory(capsys):
 def test_one_line_escapes_control_characters(text, expected):
     assert one_line(text) == expected
     assert one_line(one_line(text)) == one_line(text)
+
+
+def test_the_error_line_becomes_the_pods_termination_message(tmp_path, monkeypatch, capsys):
+    """Where the kubelet mounted a termination-message file, the error line replaces what it
+    held (Argo shows it as the node's message); where none is, nothing is created; a link
+    there is not followed."""
+    def main(argv):
+        raise StepError("train: --fold 4 is out of range for 4 folds (0-3)")
+
+    message = tmp_path / "termination-log"
+    message.write_text("an earlier, longer message that must not survive")
+    monkeypatch.setenv("UNET_TERMINATION_LOG", str(message))
+    assert run_main(main, []) == EXIT_INPUT_ERROR
+    assert message.read_text() == "error: train: --fold 4 is out of range for 4 folds (0-3)"
+    assert _lines(capsys) == [message.read_text()]
+
+    absent = tmp_path / "absent"
+    monkeypatch.setenv("UNET_TERMINATION_LOG", str(absent))
+    run_main(main, [])
+    assert not absent.exists()
+
+    target = tmp_path / "host-file"
+    target.write_text("host")
+    (tmp_path / "link").symlink_to(target)
+    monkeypatch.setenv("UNET_TERMINATION_LOG", str(tmp_path / "link"))
+    run_main(main, [])
+    assert target.read_text() == "host"

@@ -67,8 +67,8 @@ def test_cpu_run_learns_and_publishes_the_model_artifact(dataset, tmp_path):
     assert float(outputs["mean_dice"]) == pytest.approx(metrics["best_mean_dice"], abs=1e-4)
     assert int(outputs["best_epoch"]) == metrics["best_epoch"]
     assert float(outputs["img_per_s"]) > 0
-    assert "curves.png" in (model / "report.html").read_text()
-    assert (model / "overlays.png").stat().st_size > 1000
+    assert "curves.png" in (model / "report" / "report.html").read_text()
+    assert (model / "report" / "overlays.png").stat().st_size > 1000
 
     # The published weights reproduce the recorded Dice (2D inference over whole volumes).
     from steps.dataset import open_cases, read_metadata
@@ -97,7 +97,8 @@ def test_two_process_gloo_ddp_run_publishes_the_same_outputs(dataset, tmp_path):
     metrics = json.loads((model / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["epochs"][0]["world_size"] == 2
     assert metrics["epochs"][0]["batch_size"] == 4
-    for name in ("best.pt", "last.pt", "report.html", "curves.png", "overlays.png",
+    for name in ("best.pt", "last.pt", "report/report.html", "report/curves.png",
+                 "report/overlays.png",
                  "argo-outputs/mean_dice", "MANIFEST.json"):
         assert (model / name).is_file(), name
     assert load(model / "last.pt")["train_config"]["devices"] == 2

@@ -198,7 +198,7 @@ def test_gaudi_train_resources_and_outputs():
     metrics = {p["name"] for p in t["metrics"]["prometheus"]}
     assert metrics == {"unet_train_duration_seconds"}   # the gauges are on convert (issue 26)
     report = {a["name"]: a for a in t["outputs"]["artifacts"]}["report"]
-    assert report["path"].endswith("/report.html")
+    assert report["path"] == "{{outputs.artifacts.model.path}}/report"   # page and figures
 
 
 def test_credentials_only_through_secret_refs():

@@ -167,7 +167,7 @@ def step_inputs(step_name: str) -> list:
 
 
 def step_outputs(cfg: Config, step_name: str) -> list:
-    """The output artifact, the files of it shown on their own, its release copy, and the
+    """The output artifact, the parts of it shown on their own, its release copy, and the
     output parameters read from the files the step writes under it."""
     io = params.IO[step_name]
     out = [directory(io.writes, output=True)] + [

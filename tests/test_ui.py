@@ -1,0 +1,358 @@
+"""The Argo UI as a person uses it: the real ``argo server`` of the test cluster, its UI built
+from the Argo module's own ``ui/`` source (``cluster/build.sh ui``), driven by Playwright in
+Debian's headless Chromium. Each test is something a user does: fill the published template's
+form, watch the DAG, read why a step failed, press Retry, Resubmit, Stop and Delete, and open
+the released model and the training report through the server's artifact proxy.
+
+Screenshots go to ``$UNET_UI_SHOTS`` (default: a temporary folder);
+``UNET_UI_SHOTS=docs/ui python -m pytest -m ui`` refreshes the pictures of docs/ui.md.
+Without Playwright or Chromium the tests skip with the reason; in CI
+(``UNET_REQUIRE_CLUSTER=1``) they fail instead, like the cluster they run on.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from real_cluster import ARGO_URL, CFG, NAMESPACE, REQUIRED, cli, kubectl, wait
+
+try:
+    from playwright.sync_api import TimeoutError as NoDialog, sync_playwright
+except ImportError:          # the tests skip with the reason, or fail in CI (_unavailable)
+    sync_playwright = None
+
+pytestmark = [pytest.mark.ui, pytest.mark.slow, pytest.mark.timeout(1800)]
+
+CHROMIUM = os.environ.get("UNET_CHROMIUM") or shutil.which("chromium-headless-shell") or ""
+TEMPLATE = CFG.pipeline.model_name
+STEPS = ("download", "preprocess", "train", "convert")   # the cluster profile's DAG
+UI_WAIT_MS = 60_000
+
+
+def _unavailable() -> str:
+    if sync_playwright is None:
+        return "playwright is not installed (pip install -e '.[dev]')"
+    if not CHROMIUM:
+        return "Chromium not found: apt-get install chromium-headless-shell (or set UNET_CHROMIUM)"
+    return ""
+
+
+@pytest.fixture(scope="module")
+def browser():
+    why = _unavailable()
+    if why:
+        (pytest.fail if REQUIRED else pytest.skip)(why)
+    with sync_playwright() as playwright:   # Debian's binary: Playwright's download fails here
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture(scope="module")
+def user(browser, argo):
+    """One person's browser profile for the module: the welcome dialogs that Argo shows a
+    first-time visitor (a survey, the version's news) are closed once, as a person would."""
+    context = browser.new_context(base_url=ARGO_URL, viewport={"width": 1440, "height": 900})
+    context.set_default_timeout(UI_WAIT_MS)
+    page = context.new_page()
+    page.goto(f"/workflows/{NAMESPACE}")
+    page.locator(".page").first.wait_for()
+    for _ in range(3):      # ui/src/modals/modal-switch.tsx: at most one at a time
+        try:
+            page.locator(".modal-close").first.click(timeout=5000)
+        except NoDialog:
+            break
+    page.close()
+    yield context
+    context.close()
+
+
+@pytest.fixture
+def page(user):
+    tab = user.new_page()
+    yield tab
+    tab.close()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    folder = Path(os.environ.get("UNET_UI_SHOTS") or tmp_path_factory.mktemp("ui-shots"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def published(argo) -> dict:
+    """``publish`` as a user runs it; the WorkflowTemplate as the server returns it."""
+    run = cli("publish")
+    assert run.returncode == 0, run.stderr
+    return get(f"workflow-templates/{NAMESPACE}/{TEMPLATE}")
+
+
+def get(path: str) -> dict:
+    reply = requests.get(f"{ARGO_URL}/api/v1/{path}", timeout=30)
+    assert reply.ok, f"GET {path}: HTTP {reply.status_code} {reply.text[:300]}"
+    return reply.json()
+
+
+# ---- what a person does on a page --------------------------------------------------------------
+def open_submit_form(page, query: str = ""):
+    """The template's page with its Submit panel open (the toolbar's SUBMIT does the same)."""
+    page.goto(f"/workflow-templates/{NAMESPACE}/{TEMPLATE}?sidePanel=submit{query}")
+    panel = page.locator(".sliding-panel")
+    panel.get_by_role("heading", name="Submit Workflow").wait_for()
+    return panel
+
+
+def form_row(panel, name: str):
+    """The row of parameter ``name`` in a Submit, Retry or Resubmit panel: label, help, input."""
+    return panel.locator("label").filter(has_text=re.compile(f"^{re.escape(name)}$")).locator("..")
+
+
+def set_parameter(panel, name: str, value: str) -> None:
+    row = form_row(panel, name)
+    row.locator("textarea, .select").first.wait_for()     # the form has rendered the row
+    if row.locator(".select").count():
+        row.locator(".select__value").click()
+        row.locator(".select__option").filter(has_text=re.compile(f"^\\s*{value}\\s*$")).click()
+    else:
+        row.locator("textarea").fill(value)
+
+
+def press_button(panel, label: str) -> None:
+    panel.locator("button").filter(has_text=re.compile(f"^\\s*{label}\\s*$")).click()
+
+
+def toolbar(page, action: str) -> None:
+    """A button of the workflow page's toolbar: RETRY, RESUBMIT, STOP, DELETE, ..."""
+    page.locator(".top-bar button").filter(
+        has_text=re.compile(f"^\\s*{action}\\s*$", re.I)).first.click()
+
+
+def confirm(page) -> None:
+    """OK in the confirmation dialog that Stop and Delete open."""
+    page.locator(".popup-overlay button, .popup button").filter(
+        has_text=re.compile("^\\s*OK\\s*$", re.I)).first.click()
+
+
+def opened_workflow(page, leaving: str = "") -> str:
+    """The workflow the page went to (the UI opens it after a submit or a resubmit), other
+    than ``leaving``, the one it showed before."""
+    pattern = re.compile(rf"/workflows/{NAMESPACE}/([a-z0-9][a-z0-9.-]*)")
+    page.wait_for_url(lambda url: (m := pattern.search(url)) is not None
+                      and m.group(1) != leaving)
+    return pattern.search(page.url).group(1)
+
+
+def graph_node(page, label: str):
+    """A node of the DAG graph by its label (a task, an attempt ``train(0)``, an artifact):
+    the graph draws each as a group of the node's shape and, beside it, its label."""
+    group = page.locator("g:has(> title)").filter(
+        has=page.locator("text.node-label", has_text=re.compile(f"^{re.escape(label)}$")))
+    return group.locator("g.node")
+
+
+def node_info(page, task: str):
+    """Click ``task`` in the DAG; the node's panel with its fields (PHASE, MESSAGE, ...)."""
+    graph_node(page, task).first.click()
+    info = page.locator(".workflow-node-info, .workflow-details__step-info").first
+    info.wait_for()
+    return info
+
+
+def pods_of(name: str) -> list[dict]:
+    listed = kubectl("-n", NAMESPACE, "get", "pods", "-l",
+                     f"workflows.argoproj.io/workflow={name}", "-o", "json")
+    return json.loads(listed)["items"]
+
+
+def until(check, what: str, timeout: float = 180) -> None:
+    end = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < end, f"timed out after {timeout:g} s waiting for {what}"
+        time.sleep(1)
+
+
+def task_nodes(wf: dict) -> dict[str, dict]:
+    """DAG task -> its node (the Retry node where there is one), by display name."""
+    return {n["displayName"]: n for n in (wf["status"].get("nodes") or {}).values()
+            if n["displayName"] in STEPS}
+
+
+# ---- the published template's form ---------------------------------------------------------
+def test_the_form_describes_every_parameter_and_offers_our_choices(page, published, shots):
+    """Every parameter of the published template is in the form with its description (the
+    help icon's tooltip) and its default; an enum is a drop-down of exactly our values."""
+    panel = open_submit_form(page)
+    for parameter in parameters_of(published):
+        name, description = parameter["name"], parameter.get("description", "")
+        row = form_row(panel, name)
+        assert row.count() == 1, name
+        assert description, f"{name} has no description"
+        row.locator(".fa-question-circle").hover()
+        page.locator(".tippy-popper").filter(has_text=description).wait_for(state="visible")
+        if name == "precision":
+            page.screenshot(path=shots / "form.png")
+        if parameter.get("enum"):
+            assert row.locator(".select__value").inner_text().strip() == parameter["value"]
+            row.locator(".select__value").click()          # the drop-down opens
+            row.locator(".select__options.opened").wait_for(state="visible")
+            options = row.locator(".select__options.opened .select__option")
+            assert [o.strip() for o in options.all_inner_texts()] == parameter["enum"], name
+            options.filter(has_text=re.compile(f"^\\s*{parameter['value']}\\s*$")).click()
+        else:
+            assert row.locator("textarea").input_value() == parameter.get("value", ""), name
+        page.mouse.move(0, 0)
+
+
+def parameters_of(doc: dict) -> list[dict]:
+    return doc["spec"]["arguments"]["parameters"]
+
+
+# ---- a run from the form, its graph and its artifacts ------------------------------------------
+@pytest.fixture(scope="module")
+def form_run(user, published, argo) -> dict:
+    """A run submitted from the form as a person fills it (one epoch, fp32 chosen)."""
+    page = user.new_page()
+    panel = open_submit_form(page)
+    set_parameter(panel, "max-epochs", "1")
+    set_parameter(panel, "precision", "fp32")
+    press_button(panel, "Submit")
+    name = opened_workflow(page)
+    page.close()
+    return wait(argo, name)
+
+
+def test_submit_from_the_form_runs_the_dag_and_the_graph_shows_every_step(page, form_run,
+                                                                           shots):
+    assert form_run["status"]["phase"] == "Succeeded", form_run["status"].get("message")
+    given = {p["name"]: p.get("value") for p in form_run["spec"]["arguments"]["parameters"]}
+    assert given["max-epochs"] == "1"
+    assert form_run["metadata"]["labels"].get("submit-from-ui") == "true"
+    page.goto(f"/workflows/{NAMESPACE}/{form_run['metadata']['name']}")
+    for task in STEPS:
+        graph_node(page, task).first.wait_for()
+    assert "Succeeded" in node_info(page, "convert").inner_text()
+    page.screenshot(path=shots / "dag.png")
+
+
+def test_the_report_and_the_model_open_through_the_artifact_proxy(page, form_run, shots):
+    """The training report (HTML with its curves) renders from train's ``report`` artifact,
+    and the released ONNX model downloads, both through argo server's artifact proxy with the
+    repository credentials of the namespace's Secret, as the UI links them."""
+    name = form_run["metadata"]["name"]
+    nodes = task_nodes(form_run)
+    page.goto(f"/workflows/{NAMESPACE}/{name}")
+    info = node_info(page, "train(0)")
+    info.get_by_text(re.compile("^\\s*INPUTS/OUTPUTS\\s*$", re.I)).first.click()
+    href = info.locator("a[href*='/outputs/report']").first.get_attribute("href")
+    assert href and "artifact-files/" in href, href
+    page.goto(href)                                       # the folder: its files, listed
+    page.get_by_role("link", name="report.html").click()
+    page.get_by_role("heading", name="U-Net training report").wait_for()
+    assert page.locator("img").count() == 2
+    until(lambda: page.evaluate(
+        "[...document.images].every(i => i.complete && i.naturalWidth > 0)"),
+        "the report's figures", timeout=30)
+    page.screenshot(path=shots / "report.png", full_page=True)
+    convert = next(n for n in form_run["status"]["nodes"].values()
+                   if n["displayName"].startswith("convert") and n["type"] == "Pod")
+    model = requests.get(f"{ARGO_URL}/artifact-files/{NAMESPACE}/workflows/{name}/"
+                         f"{convert['id']}/outputs/release/unet2d.onnx", timeout=60)
+    assert model.ok and model.content[:1] == b"\x08", (model.status_code, model.text[:200])
+    assert nodes["convert"]["phase"] == "Succeeded"
+
+
+# ---- reruns from the UI ----------------------------------------------------------------------
+def test_resubmit_takes_download_and_preprocess_from_the_cache(page, form_run, argo, shots):
+    """RESUBMIT on a finished run: a new workflow of the same spec, whose download and
+    preprocess are cache hits, shown as such in the node's panel."""
+    first = form_run["metadata"]["name"]
+    page.goto(f"/workflows/{NAMESPACE}/{first}")
+    toolbar(page, "RESUBMIT")
+    panel = page.locator(".sliding-panel")
+    press_button(panel, "Resubmit")
+    name = opened_workflow(page, leaving=first)
+    wf = wait(argo, name)
+    assert wf["status"]["phase"] == "Succeeded"
+    hits = {t for t, n in task_nodes(wf).items() if (n.get("memoizationStatus") or {}).get("hit")}
+    assert hits == {"download", "preprocess"}
+    page.reload()
+    text = node_info(page, "preprocess").inner_text()
+    assert re.search(r"HIT\?\s*YES", text), text
+    page.screenshot(path=shots / "resubmit-memoized.png")
+
+
+def test_a_value_outside_its_choices_fails_with_the_reason_and_retry_reruns_only_that(
+        page, published, argo, shots):
+    """A value outside a parameter's choices, here from a shared link's ``parameters[...]``
+    query, which the form takes as given. Argo v4.0.5 does not check a submitted value
+    against the template's enum (workflow/validate/validate.go: the submitted parameter,
+    which has no enum, replaces the template's in util.MergeParameters), so the run starts;
+    train refuses the value at once with our one line (exit 2, not retried), which the
+    failed node shows. RETRY with the value fixed reruns train and what follows only."""
+    panel = open_submit_form(page, "&parameters[precision]=fp64")
+    set_parameter(panel, "max-epochs", "1")
+    press_button(panel, "Submit")
+    name = opened_workflow(page)
+    wf = wait(argo, name)
+    assert wf["status"]["phase"] == "Failed"
+    before = task_nodes(wf)
+    assert len(before["train"].get("children") or []) == 1, "bad input is not retried"
+    attempt = wf["status"]["nodes"][before["train"]["children"][0]]
+    assert attempt["message"].startswith("main: Error (exit code 2): error: "), attempt
+    assert "precision: must be one of auto, fp32, bf16, fp16 (got 'fp64')" in attempt["message"]
+    page.reload()
+    text = node_info(page, "train(0)").inner_text()
+    assert "must be one of auto, fp32, bf16, fp16 (got 'fp64')" in text, text
+    page.screenshot(path=shots / "failed-node.png")
+
+    page.goto(f"/workflows/{NAMESPACE}/{name}")
+    toolbar(page, "RETRY")
+    panel = page.locator(".sliding-panel")
+    override = form_row(panel, "Override Parameters").locator(".argo-checkbox input")
+    override.check()
+    set_parameter(panel, "precision", "auto")
+    press_button(panel, "Retry")
+    until(lambda: argo.get_workflow(name)["status"].get("phase") == "Running", "the retry")
+    retried = wait(argo, name)
+    assert retried["status"]["phase"] == "Succeeded", retried["status"].get("message")
+    after = task_nodes(retried)
+    for task in ("download", "preprocess"):    # kept as they were: not run again
+        assert after[task]["startedAt"] == before[task]["startedAt"], task
+    assert after["train"]["phase"] == after["convert"]["phase"] == "Succeeded"
+
+
+# ---- Stop and Delete -------------------------------------------------------------------------
+def test_stop_and_delete_leave_no_pod_behind(page, published, argo, shots):
+    """STOP while train runs: no pod of the workflow keeps running; DELETE: the workflow
+    and all its pods are gone."""
+    panel = open_submit_form(page)
+    set_parameter(panel, "max-epochs", "500")
+    set_parameter(panel, "min-epochs", "500")
+    press_button(panel, "Submit")
+    name = opened_workflow(page)
+    until(lambda: (task_nodes(argo.get_workflow(name)).get("train") or {}).get("phase")
+          == "Running", "train to run", timeout=600)
+    toolbar(page, "STOP")
+    confirm(page)
+    until(lambda: argo.get_workflow(name)["status"].get("phase") in ("Failed", "Error"),
+          "the stopped workflow to end")
+    until(lambda: not [p for p in pods_of(name)
+                       if p["status"].get("phase") in ("Pending", "Running")],
+          "its pods to stop")
+    page.reload()
+    page.screenshot(path=shots / "stopped.png")
+    toolbar(page, "DELETE")
+    confirm(page)
+    page.wait_for_url(re.compile(rf"/workflows/{NAMESPACE}/?(\?.*)?$"))
+    until(lambda: requests.get(f"{ARGO_URL}/api/v1/workflows/{NAMESPACE}/{name}",
+                               timeout=30).status_code == 404, "the workflow to go")
+    until(lambda: not pods_of(name), "its pods to go")
