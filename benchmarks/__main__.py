@@ -20,7 +20,8 @@ from benchmarks import common
 BENCHMARKS = {"preprocess": "preprocess", "loader": "loader", "train": "trainstep",
               "handoff": "handoff", "onnx": "onnxrt", "orchestration": "orchestration",
               "growth": "growth", "allocator": "allocator", "precision": "precision",
-              "quantize": "quantize", "gpu": "gpu", "quota": "quota"}
+              "quantize": "quantize", "gpu": "gpu", "quota": "quota",
+              "contention": "contention"}
 RESULTS = Path(__file__).parent / "results"
 
 

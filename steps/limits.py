@@ -17,6 +17,7 @@ import math
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -213,19 +214,156 @@ def threads(root: Path = Path("/")) -> int:
 
 
 def set_threads(count: int | None = None) -> int:
-    """Size this process's compute threads to ``count`` (default :func:`threads`) and return
-    it. ``OMP_NUM_THREADS`` is exported: torch reads it at its first import, and child
-    processes (spawned workers, the DDP launcher's, convert's clean load) inherit it. Where
-    torch is imported already its pools are set now; it is not imported here, since download
-    runs without it."""
-    n = count or threads()
-    os.environ["OMP_NUM_THREADS"] = str(n)
+    """Size this process's compute threads to ``count`` and return it; by default to
+    :func:`threads`, or fewer where other work keeps this process's CPUs busy
+    (:class:`FairThreads`, measured over a short window; said on stderr). ``OMP_NUM_THREADS``
+    is exported: torch reads it at its first import, and child processes (spawned workers,
+    the DDP launcher's, convert's clean load) inherit it. Where torch is imported already its
+    pools are set now; it is not imported here, since download runs without it."""
+    global _fair
+    if count is None:
+        _fair = FairThreads(threads())
+        count = _fair.start()
+    _apply(count)
+    return count
+
+
+def retune_threads() -> None:
+    """Follow the free CPUs during long work (train's loop calls it every step; it measures
+    at most every RETUNE_EVERY_S): the pools of :func:`set_threads` resized when other work
+    came or went."""
+    count = _fair.retune() if _fair is not None else None
+    if count is not None:
+        _apply(count)
+
+
+def _apply(count: int) -> None:
+    os.environ["OMP_NUM_THREADS"] = str(count)
     torch = sys.modules.get("torch")
     if torch is not None:
-        torch.set_num_threads(n)
+        torch.set_num_threads(count)
         with contextlib.suppress(RuntimeError):   # fixed once inter-op work has started
-            torch.set_num_interop_threads(n)
-    return n
+            torch.set_num_interop_threads(count)
+
+
+# ---------------------------------------------------------------- the CPUs others keep busy
+# Threads of one pool meet at a barrier after every parallel operator; a thread that waits
+# there spins (OpenMP's active wait: libgomp's GOMP_SPINCOUNT, onnxruntime's spinning pool)
+# while the thread it waits for is descheduled by a neighbour's process. On 2 cores beside one
+# busy process, two torch threads trained at about 1 % of their idle rate, burning a whole
+# CPU in the spin; one thread kept 64 % (benchmarks/contention.py). So a pool is sized to the
+# CPUs that are free, not only to the CPUs the process may use.
+ADAPT_ENV = "UNET_ADAPT_THREADS"      # "0": size pools from cpu_count() / OMP_NUM_THREADS only
+START_WINDOW_S = 0.25                 # the first measurement: from this module's import (the
+                                      # step's own imports, usually longer), at least this
+RETUNE_EVERY_S = 2.0                  # then at most this often, over the time since the last
+TAKEN = 0.75                          # a CPU counts as taken when other work keeps it this busy
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _busy_ticks(cpus: set[int]) -> int | None:
+    """Clock ticks that ``cpus`` spent busy (user, nice, system, irq, softirq, steal) since
+    boot, from /proc/stat; None where it cannot be read."""
+    total = 0
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines[1:]:
+        name, *fields = line.split()
+        if not name.startswith("cpu"):
+            break
+        if int(name[3:]) in cpus:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
+            total += user + nice + system + irq + softirq + steal
+    return total
+
+
+def _own_ticks() -> int:
+    """Clock ticks of CPU this process (all its threads) and its live children (loader and
+    pool workers) have used."""
+    times = os.times()
+    total = round((times.user + times.system) * _TICK)
+    for children in Path("/proc/self/task").glob("*/children"):
+        with contextlib.suppress(OSError, ValueError):
+            for pid in children.read_text().split():
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                fields = stat[stat.rindex(")") + 2:].split()
+                total += int(fields[11]) + int(fields[12])   # utime, stime
+    return total
+
+
+_fair: "FairThreads | None" = None     # set_threads' measurement, which retune_threads goes on
+
+
+def _sample(cpus: set[int]) -> tuple[float, int, int] | None:
+    """(now, busy ticks of ``cpus``, own ticks); None where /proc/stat cannot be read."""
+    busy = _busy_ticks(cpus)
+    return None if busy is None else (time.monotonic(), busy, _own_ticks())
+
+
+class FairThreads:
+    """This process's compute threads, kept at the CPUs it can really use: at most
+    ``ceiling`` (its share: :func:`threads`), and no more than the CPUs of its affinity mask
+    that other work leaves free, that work measured as the CPUs' busy time (/proc/stat, the
+    whole machine's, also in a container) less this process's own and its children's."""
+
+    def __init__(self, ceiling: int):
+        self.ceiling, self.count = ceiling, ceiling
+        self.cpus = os.sched_getaffinity(0)
+        self.enabled = os.environ.get(ADAPT_ENV, "1") != "0" and ceiling > 1
+        self._mark = None
+        if self.enabled:
+            imported = _IMPORTED if self.cpus == _IMPORTED_CPUS else None
+            self._mark = imported or _sample(self.cpus)
+
+    def _sample(self) -> tuple[float, int, int] | None:
+        return _sample(self.cpus) if self.enabled else None
+
+    def others(self) -> float | None:
+        """CPUs' worth of other work since the last measurement (None: not measured)."""
+        then, now = self._mark, self._sample()
+        if then is None or now is None or now[0] <= then[0]:
+            return None
+        self._mark = now
+        ticks = (now[1] - then[1]) - (now[2] - then[2])
+        return max(0.0, ticks / _TICK / (now[0] - then[0]))
+
+    def fair(self, others: float) -> int:
+        """The threads for ``others`` CPUs' worth of other work: the CPUs it does not take
+        (a CPU counts as taken from TAKEN busy), within 1 and the ceiling."""
+        taken = int(others + (1 - TAKEN))
+        return max(1, min(self.ceiling, len(self.cpus) - taken))
+
+    def start(self) -> int:
+        """The count to start with, measured since this module's import (at least
+        START_WINDOW_S), said on stderr."""
+        if self.enabled:
+            if self._mark is not None:
+                time.sleep(max(0.0, START_WINDOW_S - (time.monotonic() - self._mark[0])))
+            others = self.others()
+            self.count = self.ceiling if others is None else self.fair(others)
+            self._say(others)
+        return self.count
+
+    def retune(self) -> int | None:
+        """The new count when it should change, at most every RETUNE_EVERY_S (call it as
+        often as you like); None otherwise."""
+        if not self.enabled or self._mark is None or \
+                time.monotonic() - self._mark[0] < RETUNE_EVERY_S:
+            return None
+        others = self.others()
+        count = self.count if others is None else self.fair(others)
+        if count == self.count:
+            return None
+        self.count = count
+        self._say(others)
+        return count
+
+    def _say(self, others: float | None) -> None:
+        busy = "not measured" if others is None else f"{others:.1f} CPU busy with other work"
+        print(f"threads: {self.count} of {self.ceiling} ({busy} on {len(self.cpus)} CPU(s); "
+              f"{ADAPT_ENV}=0 keeps {self.ceiling})", file=sys.stderr)
 
 
 def memory_bytes(root: Path = Path("/")) -> int:
@@ -253,3 +391,9 @@ def check_memory(nbytes: int, what: str) -> None:
         raise StepError(f"{what}: needs {_amount(nbytes, 'bytes')}, over the limit "
                         f"max_memory_fraction={fraction}% of {_amount(memory_bytes(), 'bytes')}"
                         f" memory (set {LIMITS['max_memory_fraction'].env} to change it)")
+
+
+# The first window opens when a step imports this module, so that its own imports (torch,
+# onnxruntime: seconds) are the measurement and the step seldom waits for one.
+_IMPORTED_CPUS = os.sched_getaffinity(0)
+_IMPORTED = _sample(_IMPORTED_CPUS)

@@ -389,10 +389,11 @@ def _return_freed_memory() -> None:
 # ----------------------------------------------------------------------------- the run
 
 def plan_workers(requested: int, jobs: int) -> tuple[int, int]:
-    """(worker processes, torch threads in each): ``--workers`` up to the step's CPUs and
-    the number of cases, and the step's threads shared among them, so that workers times
-    threads stays within the CPUs the pod has."""
-    workers = max(1, min(requested, limits.cpu_count(), jobs))
+    """(worker processes, torch threads in each): ``--workers`` up to the step's threads
+    (its CPUs, fewer where other work keeps them busy: limits.set_threads) and the number of
+    cases, and those threads shared among them, so that workers times threads stays within
+    the CPUs the pod can use."""
+    workers = max(1, min(requested, limits.threads(), jobs))
     return workers, max(1, limits.threads() // workers)
 
 

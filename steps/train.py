@@ -616,6 +616,8 @@ class Trainer:
                 first = time.monotonic()
             loss = train_step(self.train_forward, self.loss_fn, self.optimizer, self.scheduler,
                               self.scaler, info, images, labels)
+            if info.kind == "cpu":
+                limits.retune_threads()
             if self.first_step_s is None:
                 self._first_step_done(first)
             loss_sum += loss

@@ -85,6 +85,19 @@ def test_smoke_runs_the_cpu_share_sweep(tmp_path):
                 assert set(sides) == {"ours", *map(str, details["counts"])}
 
 
+def test_smoke_runs_the_contention_rounds(tmp_path):
+    """The four steps idle and beside a spinning neighbour, ours and before; ours says its
+    thread count in its log, before (UNET_ADAPT_THREADS=0) does not."""
+    report = _smoke(["contention"], tmp_path)
+    _check_rows(report, ["contention"])
+    runs = report["benchmarks"]["contention"]["details"]["runs"]
+    assert {(r["step"], r["neighbours"]) for r in runs} == {
+        (step, n) for step in ("train", "preprocess", "convert", "quantize") for n in (0, 1)}
+    for run in runs:
+        assert bool(run["threads_lines"]) == (run["side"] == "ours"), run
+        assert run["cpu_s"] > 0 and run["wall_s"] > 0
+
+
 def test_unknown_benchmark_is_refused():
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "nosuch"], cwd=ROOT,
                           capture_output=True, text=True)

@@ -156,6 +156,103 @@ def test_set_threads_sizes_torch_before_and_after_its_import():
     assert _count_in_child(code, UNET_CPUS="4", OMP_NUM_THREADS="3") == "3"
 
 
+# ------------------------------------------------------- the CPUs other work keeps busy
+
+class FakeClock:
+    """/proc/stat's busy ticks, this process's own ticks and the monotonic clock, as a test
+    sets them (in seconds of one CPU at 100 ticks per second)."""
+
+    def __init__(self, monkeypatch):
+        self.now, self.busy, self.own = 0.0, 0.0, 0.0
+        monkeypatch.setattr(limits, "_TICK", 100)
+        monkeypatch.setattr(limits, "_busy_ticks", lambda cpus: round(self.busy * 100))
+        monkeypatch.setattr(limits, "_own_ticks", lambda: round(self.own * 100))
+        monkeypatch.setattr(limits.time, "monotonic", lambda: self.now)
+        monkeypatch.setattr(limits.time, "sleep", self.wait)
+        monkeypatch.setattr(limits.os, "sched_getaffinity", lambda pid: {0, 1})
+        monkeypatch.setattr(limits, "_IMPORTED", None)     # the window opens in the test
+        self.others = 0.0     # CPUs' worth of other work while time passes
+
+    def wait(self, seconds: float, ours: float = 0.0) -> None:
+        self.now += seconds
+        self.busy += (self.others + ours) * seconds
+        self.own += ours * seconds
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    monkeypatch.delenv(limits.ADAPT_ENV, raising=False)
+    return FakeClock(monkeypatch)
+
+
+@pytest.mark.parametrize("others, threads", [(0.0, 2), (0.3, 2), (0.7, 2), (0.8, 1), (1.0, 1),
+                                            (2.0, 1)])
+def test_a_pool_leaves_the_cpus_that_other_work_takes(clock, capsys, others, threads):
+    """On 2 CPUs, a CPU counts as taken from 0.75 busy; at least one thread."""
+    clock.others = others
+    assert limits.FairThreads(2).start() == threads
+    assert capsys.readouterr().err == (
+        f"threads: {threads} of 2 ({others:.1f} CPU busy with other work on 2 CPU(s); "
+        "UNET_ADAPT_THREADS=0 keeps 2)\n")
+
+
+def test_its_own_work_is_not_counted_as_other_work(clock):
+    fair = limits.FairThreads(2)
+    fair.start()
+    clock.wait(3.0, ours=2.0)         # both CPUs busy, all of it this process's
+    assert fair.others() == 0.0
+
+
+def test_the_pool_follows_a_neighbour_that_comes_and_goes(clock, capsys):
+    fair = limits.FairThreads(2)
+    assert fair.start() == 2
+    clock.others = 1.0
+    clock.wait(1.0, ours=1.0)
+    assert fair.retune() is None, "not before RETUNE_EVERY_S"
+    clock.wait(1.5, ours=1.0)
+    assert fair.retune() == 1
+    clock.wait(2.5, ours=1.0)
+    assert fair.retune() is None, "unchanged"
+    clock.others = 0.0
+    clock.wait(2.5, ours=1.0)
+    assert fair.retune() == 2
+    said = capsys.readouterr().err.splitlines()
+    assert [line.split(" (")[0] for line in said] == ["threads: 2 of 2", "threads: 1 of 2",
+                                                      "threads: 2 of 2"]
+
+
+def test_the_variable_turns_it_off_and_one_thread_needs_nothing(clock, monkeypatch, capsys):
+    clock.others = 2.0
+    monkeypatch.setenv(limits.ADAPT_ENV, "0")
+    assert limits.FairThreads(2).start() == 2
+    monkeypatch.delenv(limits.ADAPT_ENV)
+    assert limits.FairThreads(1).start() == 1
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_a_step_beside_a_busy_process_starts_with_the_cpu_it_leaves(tmp_path):
+    """Real /proc/stat: a step pinned to two CPUs, one of them kept busy by another process,
+    sizes its pool to one thread and says so."""
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    spinner = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, "
+                                f"{{{first}}})\nwhile True: pass"])
+    try:
+        code = (f"import os; os.sched_setaffinity(0, {{{first}, {second}}}); "
+                "from steps import limits; print(limits.set_threads())")
+        clean = {k: v for k, v in os.environ.items()
+                 if k not in (limits.CPUS_ENV, "OMP_NUM_THREADS", limits.ADAPT_ENV)}
+        done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                              text=True, timeout=120, env=clean)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1"
+    assert done.stderr.startswith("threads: 1 of 2 (")
+
+
 # --------------------------------------------------------------- what sizes itself by it
 
 def test_loader_workers_keep_one_cpu_per_rank(monkeypatch):
