@@ -33,14 +33,21 @@ def cpu_isa() -> dict[str, bool]:
     return {flag: flag in flags for flag in ISA_FLAGS}
 
 
-def _openvino(fp32: Path, calibration, keep: list[str]) -> dict:
-    """OpenVINO's FP32 model and the quantize step's NNCF INT8 IR; {} when absent."""
+def _openvino(fp32: Path, calibration, keep: list[str]) -> tuple[dict, str]:
+    """OpenVINO's FP32 model and the quantize step's NNCF INT8 IR, and why they are left out
+    ({} with the reason: no openvino, or its CPU plugin cannot compile them on this
+    instruction set, e.g. under ONEDNN_MAX_CPU_ISA=AVX2)."""
     made = quantize.openvino_ir(fp32, fp32.with_name("int8-openvino.xml"), calibration, keep)
     if made is None:
-        return {}
+        return {}, "openvino and nncf are not installed"
+    if made[0] is None:
+        return {}, made[1]
     import openvino as ov
-    return {"openvino_fp32": ov.Core().compile_model(ov.convert_model(str(fp32)), "CPU"),
-            "openvino_int8": made[0]}
+    try:
+        compiled = ov.Core().compile_model(ov.convert_model(str(fp32)), "CPU")
+    except RuntimeError as exc:
+        return {}, f"OpenVINO's CPU plugin cannot compile the FP32 model here ({exc!s:.160})"
+    return {"openvino_fp32": compiled, "openvino_int8": made[0]}, ""
 
 
 def measure(workdir: str, dataset: str, patch, batches, repeats: int, rounds: int,
@@ -63,9 +70,11 @@ def measure(workdir: str, dataset: str, patch, batches, repeats: int, rounds: in
     sessions = {"fp32": predict.open_session(fp32), "int8": predict.open_session(int8)}
     runners = {name: (lambda s: lambda x: s.run(None, {predict.INPUT_NAME: x}))(s)
                for name, s in sessions.items()}
+    openvino, left_out = _openvino(fp32, calibration, kept)
     runners.update({name: (lambda c: lambda x: c(x))(compiled)
-                    for name, compiled in _openvino(fp32, calibration, kept).items()})
-    out = {"quantize_s": quantize_s, "runtimes": sorted(runners), "rates": {}}
+                    for name, compiled in openvino.items()})
+    out = {"quantize_s": quantize_s, "runtimes": sorted(runners), "rates": {},
+           "openvino_left_out": left_out}
     for batch in batches:
         x = np.random.default_rng(0).standard_normal(
             (batch, config.in_channels, *patch)).astype(np.float32)
