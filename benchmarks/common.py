@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import datetime
 import json
 import multiprocessing
@@ -15,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -120,6 +121,25 @@ def step_env() -> dict[str, str]:
     """What the pipeline adds to every step's environment (``resources.extra_env``), which
     ours runs with; the baselines run as the anchors do, without it."""
     return dict(load_config(None, None, [], local=True).resources.extra_env)
+
+
+@contextlib.contextmanager
+def neighbours(count: int, cgroup: Path | None = None, settle_s: float = 0.0) -> Iterator[None]:
+    """``count`` processes spinning on one core each while the block runs (in ``cgroup``
+    when given: another container's or session's work), killed after; ``settle_s`` lets
+    them start before the block measures."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        if cgroup is not None:
+            for proc in procs:
+                (cgroup / "cgroup.procs").write_text(str(proc.pid))
+        if count:
+            time.sleep(settle_s)
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def in_child(fn: Callable, *args, threads: int | None = None,

@@ -34,7 +34,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from benchmarks.common import Row, Settings, raw_task, step_dataset, step_env
+from benchmarks.common import Row, Settings, neighbours, raw_task, step_dataset, step_env
 from benchmarks.precision import _local_train_args
 from steps import limits
 from workflows.config import load_config
@@ -59,24 +59,22 @@ def _cgroup(name: str) -> Path | None:
     return None
 
 
-def _join(cgroup: Path | None, pid: int) -> None:
-    if cgroup is not None:
-        (cgroup / "cgroup.procs").write_text(str(pid))
-
-
 @contextlib.contextmanager
-def neighbours(count: int, cgroup: Path | None) -> Iterator[None]:
-    """``count`` processes spinning in ``cgroup`` while the block runs."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+def sibling_cgroups() -> Iterator[tuple[Path | None, Path | None]]:
+    """(the step's cgroup, the neighbours'), removed after the block."""
+    made = (_cgroup("step"), _cgroup("neighbours"))
     try:
-        for proc in procs:
-            _join(cgroup, proc.pid)
-        time.sleep(0.5 if count else 0)
-        yield
+        yield made
     finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+        for cgroup in made:
+            if cgroup is not None:
+                with contextlib.suppress(OSError):
+                    cgroup.rmdir()
+
+
+def crowd(count: int, cgroup: Path | None):
+    """``count`` spinning neighbours in ``cgroup``, given half a second to start."""
+    return neighbours(count, cgroup, settle_s=0.5)
 
 
 def _pressure() -> str:
@@ -87,11 +85,16 @@ def _pressure() -> str:
 
 def run_step(module: str, args: list[str], env: dict[str, str],
              cgroup: Path | None) -> tuple[str, dict]:
-    """The step's stderr and what it cost: wall and CPU seconds, context switches."""
+    """``python -m module args`` in ``cgroup`` (``module`` may also be a script's path): its
+    stderr and what it cost: wall and CPU seconds, context switches."""
+    def enter() -> None:
+        if cgroup is not None:
+            (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+
+    command = [module] if module.endswith(".py") else ["-m", module]
     start, before = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
-                          capture_output=True, text=True,
-                          preexec_fn=lambda: _join(cgroup, os.getpid()))
+    done = subprocess.run([sys.executable, *command, *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, preexec_fn=enter)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode:
         raise RuntimeError(f"{module}: {done.stderr[-1500:]}")
@@ -186,40 +189,23 @@ def local_run_seconds(settings: Settings, env: dict[str, str], cgroup: Path | No
     args = ["--local", "--run-dir", str(root / "run"), "--output-dir", str(root / "outputs")]
     if settings.smoke:
         args += ["-p", "train.max_epochs=1", "-p", "train.steps_per_epoch=2"]
-    start, before = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run([sys.executable, "workflows/unet.py", "run", *args], cwd=REPO,
-                          env=env, capture_output=True, text=True,
-                          preexec_fn=lambda: _join(cgroup, os.getpid()))
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if done.returncode:
-        raise RuntimeError(f"run --local: {done.stderr[-1500:]}")
-    seconds = time.monotonic() - start
+    _, cost = run_step("workflows/unet.py", ["run", *args], env, cgroup)
     shutil.rmtree(root, ignore_errors=True)
-    return seconds, {"wall_s": seconds, "load_average": os.getloadavg()[0],
-                     "pressure": _pressure(),
-                     "cpu_s": (after.ru_utime - before.ru_utime) +
-                              (after.ru_stime - before.ru_stime)}
+    return cost["wall_s"], cost
 
 
 def run_local_part(settings: Settings, rounds: int) -> dict:
     """``run --local`` idle and beside one busy neighbour, interleaved rounds (target: at
     most 2.5 times its idle time)."""
-    step_cg, crowd_cg = _cgroup("step"), _cgroup("neighbours")
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMP_NUM_THREADS", limits.CPUS_ENV, limits.ADAPT_ENV)}
     runs = []
-    try:
+    with sibling_cgroups() as (step_cg, crowd_cg):
         for round_ in range(rounds):
             for count in ((0, 1) if round_ % 2 == 0 else (1, 0)):
-                with neighbours(count, crowd_cg):
-                    seconds, cost = local_run_seconds(settings, env, step_cg,
-                                                      f"{count}-{round_}")
+                with crowd(count, crowd_cg):
+                    _, cost = local_run_seconds(settings, env, step_cg, f"{count}-{round_}")
                 runs.append({"round": round_, "neighbours": count, **cost})
-    finally:
-        for cgroup in (step_cg, crowd_cg):
-            if cgroup is not None:
-                with contextlib.suppress(OSError):
-                    cgroup.rmdir()
     idle, busy = (float(np.median([r["wall_s"] for r in runs if r["neighbours"] == n]))
                   for n in (0, 1))
     return {"rows": [Row("contention", "run --local: seconds beside 1 busy neighbour vs idle",
@@ -234,35 +220,28 @@ def run(settings: Settings) -> dict:
         return run_local_part(settings, 1 if settings.smoke else 2)
     inputs = Inputs(settings)
     rounds = 1 if settings.smoke else 3
-    crowd = (0, 1) if settings.smoke else NEIGHBOURS
+    counts = (0, 1) if settings.smoke else NEIGHBOURS
     steps = measures(inputs)
-    step_cg, crowd_cg = _cgroup("step"), _cgroup("neighbours")
+    env = step_env()     # the pipeline's step environment alone, as a pod gets it
     runs: list[dict] = []
-    try:
+    with sibling_cgroups() as (step_cg, crowd_cg):
         for round_ in range(rounds):
-            for count in (crowd if round_ % 2 == 0 else crowd[::-1]):
-                with neighbours(count, crowd_cg):
+            for count in (counts if round_ % 2 == 0 else counts[::-1]):
+                with crowd(count, crowd_cg):
                     for side in (list(SIDES) if round_ % 2 == 0 else list(SIDES)[::-1]):
                         if side == "before" and count > BEFORE_UP_TO:
                             continue
-                        env = {k: v for k, v in step_env().items() if k != "OMP_NUM_THREADS"}
-                        env.pop(limits.ADAPT_ENV, None)
                         for step, (unit, measure) in steps.items():
                             rate, cost = measure({**env, **SIDES[side]}, step_cg)
                             runs.append({"round": round_, "neighbours": count, "side": side,
                                          "step": step, "unit": unit, "rate": rate, **cost})
-    finally:
-        for cgroup in (step_cg, crowd_cg):
-            if cgroup is not None:
-                with contextlib.suppress(OSError):
-                    cgroup.rmdir()
-    return {"rows": rows(runs, crowd),
+    return {"rows": rows(runs, counts),
             "details": {"runs": runs, "rounds": rounds, "train_steps": inputs.steps,
                         "cpus": len(os.sched_getaffinity(0)),
                         "cgroups": str(step_cg) if step_cg else "none (one cgroup)"}}
 
 
-def rows(runs: list[dict], crowd: tuple[int, ...]) -> list[Row]:
+def rows(runs: list[dict], counts: tuple[int, ...]) -> list[Row]:
     """Per step: ours beside n neighbours / ours idle (targets 0.45 and 0.3), the same for
     before, and ours idle / before idle (target: within 5 %)."""
     def median(step, side, count):
@@ -273,7 +252,7 @@ def rows(runs: list[dict], crowd: tuple[int, ...]) -> list[Row]:
         unit = next(r["unit"] for r in runs if r["step"] == step)
         for side in SIDES:
             idle = median(step, side, 0)
-            for count in crowd[1:]:
+            for count in counts[1:]:
                 if side == "before" and count > BEFORE_UP_TO:
                     continue
                 out.append(Row("contention", f"{step} {side}: beside {count} busy "

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import machine
+from benchmarks.common import machine, neighbours
 
 ROOT = Path(__file__).resolve().parents[1]
 ISA = {"default": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
@@ -136,18 +136,13 @@ def main(argv=None) -> int:
             for isa in ISA:
                 for load in args.loads:
                     root = workdir / f"{test}-{seed}-{isa}-{load}"
-                    neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"]) \
-                        if load == "busy" else None
                     start = time.perf_counter()
                     run = {"test": test, "seed": seed, "isa": isa, "load": load}
-                    try:
-                        run.update(one_run(test, seed, isa, root))
-                    except RuntimeError as exc:
-                        run["error"] = str(exc)
-                    finally:
-                        if neighbour is not None:
-                            neighbour.kill()
-                            neighbour.wait()
+                    with neighbours(1 if load == "busy" else 0):
+                        try:
+                            run.update(one_run(test, seed, isa, root))
+                        except RuntimeError as exc:
+                            run["error"] = str(exc)
                     run["seconds"] = time.perf_counter() - start
                     runs.append(run)
                     print(json.dumps(run), file=sys.stderr, flush=True)

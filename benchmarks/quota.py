@@ -27,11 +27,11 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
-from benchmarks.common import Row, Settings, raw_task, step_env
+from benchmarks.common import Row, Settings, neighbours, raw_task, step_env
 from benchmarks.precision import _dataset, _local_train_args
 from steps import limits
 from workflows.config import load_config
@@ -123,18 +123,6 @@ class Confined:
         return done.stderr
 
 
-@contextlib.contextmanager
-def neighbour(busy: bool) -> Iterator[None]:
-    """One process spinning on the host while the block runs (``busy``), killed after."""
-    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
-    try:
-        yield
-    finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-
-
 def _fresh(path: Path) -> Path:
     """An absent ``path`` under a parent the image's uid can write to."""
     shutil.rmtree(path, ignore_errors=True)
@@ -206,7 +194,7 @@ def run(settings: Settings) -> dict:
         for busy in ([False] if settings.smoke else [False, True]):
             where = f"on {cpus} of {cores} CPUs" + (" beside a busy neighbour" if busy else "")
             load_start = list(os.getloadavg())
-            with neighbour(busy):
+            with neighbours(1 if busy else 0):
                 train = sweep(lambda env, tag: train_rate(box, dataset, env, f"t-{busy}-{tag}",
                                                           settings.smoke), counts, rounds)
                 pre = sweep(lambda env, tag: preprocess_rate(box, raw, env, f"p-{busy}-{tag}",

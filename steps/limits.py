@@ -296,6 +296,10 @@ def _own_ticks() -> int:
 _fair: "FairThreads | None" = None     # set_threads' measurement, which retune_threads goes on
 
 
+def _adapting() -> bool:
+    return os.environ.get(ADAPT_ENV, "1") != "0"
+
+
 def _sample(cpus: set[int]) -> tuple[float, int, int] | None:
     """(now, busy ticks of ``cpus``, own ticks); None where /proc/stat cannot be read."""
     busy = _busy_ticks(cpus)
@@ -311,18 +315,16 @@ class FairThreads:
     def __init__(self, ceiling: int):
         self.ceiling, self.count = ceiling, ceiling
         self.cpus = os.sched_getaffinity(0)
-        self.enabled = os.environ.get(ADAPT_ENV, "1") != "0" and ceiling > 1
+        self.enabled = _adapting() and ceiling > 1
         self._mark = None
         if self.enabled:
             imported = _IMPORTED if self.cpus == _IMPORTED_CPUS else None
             self._mark = imported or _sample(self.cpus)
 
-    def _sample(self) -> tuple[float, int, int] | None:
-        return _sample(self.cpus) if self.enabled else None
-
     def others(self) -> float | None:
-        """CPUs' worth of other work since the last measurement (None: not measured)."""
-        then, now = self._mark, self._sample()
+        """CPUs' worth of other work since the last measurement (None: not measured; only
+        called while enabled)."""
+        then, now = self._mark, _sample(self.cpus)
         if then is None or now is None or now[0] <= then[0]:
             return None
         self._mark = now
@@ -396,4 +398,4 @@ def check_memory(nbytes: int, what: str) -> None:
 # The first window opens when a step imports this module, so that its own imports (torch,
 # onnxruntime: seconds) are the measurement and the step seldom waits for one.
 _IMPORTED_CPUS = os.sched_getaffinity(0)
-_IMPORTED = _sample(_IMPORTED_CPUS)
+_IMPORTED = _sample(_IMPORTED_CPUS) if _adapting() else None

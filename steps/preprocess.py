@@ -393,8 +393,9 @@ def plan_workers(requested: int, jobs: int) -> tuple[int, int]:
     (its CPUs, fewer where other work keeps them busy: limits.set_threads) and the number of
     cases, and those threads shared among them, so that workers times threads stays within
     the CPUs the pod can use."""
-    workers = max(1, min(requested, limits.threads(), jobs))
-    return workers, max(1, limits.threads() // workers)
+    threads = limits.threads()
+    workers = max(1, min(requested, threads, jobs))
+    return workers, max(1, threads // workers)
 
 
 def _imap(jobs: list[Job], workers: int, threads: int) -> Iterator[dict[str, Any]]:

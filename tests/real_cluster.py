@@ -15,6 +15,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,18 @@ def unique(label: str) -> str:
 def wait(argo: ArgoServer, name: str, timeout: float = WAIT_S) -> dict:
     argo.watch(name, poll=2, timeout=timeout, out=io.StringIO())
     return argo.get_workflow(name)
+
+
+def until(check, timeout: float, what: str, every: float = 2.0):
+    """``check()``'s first truthy value, asked every ``every`` seconds; the test fails after
+    ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def api(argo: ArgoServer, verb: str, name: str, body: dict) -> dict:

@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -240,7 +239,7 @@ def test_no_compiled_retry_has_a_cap_it_cannot_reach():
 # The single-node cluster's fixtures (cluster up, our image loaded, S3, the namespace as the
 # README deploys it) come from tests/real_cluster.py through tests/conftest.py.
 from real_cluster import (BUCKET, NAMESPACE, _script, _skip, api, compiled,  # noqa: E402
-                          keys, kubectl, template, text, unique, wait)
+                          keys, kubectl, template, text, unique, until, wait)
 
 def on_the_operator(test):
     """A test on the real operator: slow, and allowed the cluster suite's time."""
@@ -309,16 +308,6 @@ def nodes(wf: dict, task: str) -> list[dict]:
     return sorted((n for n in wf["status"]["nodes"].values()
                    if re.fullmatch(rf"{task}\(\d+\)", n["displayName"])),
                   key=lambda n: n["displayName"])
-
-
-def until(check, timeout: float, what: str, every: float = 2.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = check()
-        if value:
-            return value
-        time.sleep(every)
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def submit(argo, *overrides: str, tasks=("download", "preprocess", "share-dataset", "train",

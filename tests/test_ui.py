@@ -15,13 +15,12 @@ import json
 import os
 import re
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 import requests
 
-from real_cluster import ARGO_URL, CFG, NAMESPACE, REQUIRED, cli, kubectl, wait
+from real_cluster import ARGO_URL, CFG, NAMESPACE, REQUIRED, cli, kubectl, until, wait
 
 try:
     from playwright.sync_api import TimeoutError as NoDialog, sync_playwright
@@ -173,13 +172,6 @@ def pods_of(name: str) -> list[dict]:
     return json.loads(listed)["items"]
 
 
-def until(check, what: str, timeout: float = 180) -> None:
-    end = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < end, f"timed out after {timeout:g} s waiting for {what}"
-        time.sleep(1)
-
-
 def task_nodes(wf: dict) -> dict[str, dict]:
     """DAG task -> its node (the Retry node where there is one), by display name."""
     return {n["displayName"]: n for n in (wf["status"].get("nodes") or {}).values()
@@ -260,7 +252,7 @@ def test_the_report_and_the_model_open_through_the_artifact_proxy(page, form_run
     assert page.locator("img").count() == 2
     until(lambda: page.evaluate(
         "[...document.images].every(i => i.complete && i.naturalWidth > 0)"),
-        "the report's figures", timeout=30)
+        30, "the report's figures", every=1)
     page.screenshot(path=shots / "report.png", full_page=True)
     convert = next(n for n in form_run["status"]["nodes"].values()
                    if n["displayName"].startswith("convert") and n["type"] == "Pod")
@@ -321,7 +313,8 @@ def test_a_value_outside_its_choices_fails_with_the_reason_and_retry_reruns_only
     override.check()
     set_parameter(panel, "precision", "auto")
     press_button(panel, "Retry")
-    until(lambda: argo.get_workflow(name)["status"].get("phase") == "Running", "the retry")
+    until(lambda: argo.get_workflow(name)["status"].get("phase") == "Running", 180,
+          "the retry", every=1)
     retried = wait(argo, name)
     assert retried["status"]["phase"] == "Succeeded", retried["status"].get("message")
     after = task_nodes(retried)
@@ -340,19 +333,20 @@ def test_stop_and_delete_leave_no_pod_behind(page, published, argo, shots):
     press_button(panel, "Submit")
     name = opened_workflow(page)
     until(lambda: (task_nodes(argo.get_workflow(name)).get("train") or {}).get("phase")
-          == "Running", "train to run", timeout=600)
+          == "Running", 600, "train to run", every=1)
     toolbar(page, "STOP")
     confirm(page)
     until(lambda: argo.get_workflow(name)["status"].get("phase") in ("Failed", "Error"),
-          "the stopped workflow to end")
+          180, "the stopped workflow to end", every=1)
     until(lambda: not [p for p in pods_of(name)
                        if p["status"].get("phase") in ("Pending", "Running")],
-          "its pods to stop")
+          180, "its pods to stop", every=1)
     page.reload()
     page.screenshot(path=shots / "stopped.png")
     toolbar(page, "DELETE")
     confirm(page)
     page.wait_for_url(re.compile(rf"/workflows/{NAMESPACE}/?(\?.*)?$"))
     until(lambda: requests.get(f"{ARGO_URL}/api/v1/workflows/{NAMESPACE}/{name}",
-                               timeout=30).status_code == 404, "the workflow to go")
-    until(lambda: not pods_of(name), "its pods to go")
+                               timeout=30).status_code == 404, 180, "the workflow to go",
+          every=1)
+    until(lambda: not pods_of(name), 180, "its pods to go", every=1)
