@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Stop the single-node cluster that cluster/up.sh started and leave no process, mount, network
-# namespace, link, cgroup or iptables rule of it behind. Removes $STATE and $RUN_DIR
-# (certificates, etcd data, containerd's images) unless KEEP_STATE=1; the build cache stays.
+# namespace, link, cgroup or iptables/ip6tables rule of it behind, touching only what it made:
+# the cgroups under its own root, the rules that were not there before up.sh (a snapshot), the
+# log links into its state folder, the operator's key folder if operator.sh made it. Removes
+# $STATE and $RUN_DIR (certificates, etcd data, containerd's images) unless KEEP_STATE=1; the
+# build cache stays.
 #   bash cluster/down.sh
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -53,27 +56,42 @@ stop kube-controller-manager
 stop kube-apiserver
 stop etcd
 
-# Any container process still alive sits in the kubelet's cgroups (kubepods/...): kill it by pid.
-for f in $(find /sys/fs/cgroup/pids/kubepods -name cgroup.procs 2> /dev/null); do
-  while read -r p; do kill -9 "$p" 2> /dev/null || true; done < "$f"
+# Any container process still alive sits under the kubelet's cgroupRoot: kill it by pid.
+for h in $(cgroup_hierarchies); do
+  for f in $(find "$h/$CGROUP_ROOT" -name cgroup.procs 2> /dev/null); do
+    while read -r p; do kill -9 "$p" 2> /dev/null || true; done < "$f"
+  done
 done
 # Mounts under our folders, deepest first: rootfs overlays, shm, the kubelet's tmpfs volumes and
 # its root folder, and the pods' network namespaces (up.sh keeps them under containerd's state).
 mounts() { awk '{print $5}' /proc/self/mountinfo | grep -E "^($STATE|$RUN_DIR)(/|$)" | sort -r || true; }
 for m in $(mounts); do umount "$m" 2> /dev/null || umount -l "$m" 2> /dev/null || true; done
 if ip link show unetcni0 > /dev/null 2>&1; then ip link delete unetcni0; fi
-# The kubelet's cgroups (cgroupfs driver: kubepods/... in each v1 hierarchy), deepest first.
-find /sys/fs/cgroup/*/kubepods -depth -type d -exec rmdir {} \; 2> /dev/null || true
-# The kubelet's KUBE-* chains (pkg/kubelet/kubelet_network_linux.go) and up.sh's rules.
+# The kubelet's cgroups (cgroupfs driver: $CGROUP_ROOT/kubepods/... in each hierarchy), deepest first.
+for h in $(cgroup_hierarchies); do
+  find "$h/$CGROUP_ROOT" -depth -type d -exec rmdir {} \; 2> /dev/null || true
+done
+# new_rules IPT TABLE: the KUBE-* and unet-cluster rules that were not there before up.sh
+# (another node's, and anything else's, stay).
+new_rules() {
+  our_rules "$1" "$2" | grep -vxF -f <(sed -n "s/^$1 $2 //p" "$RUN_DIR/before.rules" 2> /dev/null) || true
+}
 for ipt in iptables ip6tables; do
-  for t in filter nat mangle; do
-    { "$ipt" -t "$t" -S 2> /dev/null | grep -E '^-A [A-Z]+ .*(-j KUBE-|--comment "?unet-cluster)' || true; } \
-      | sed 's/^-A/-D/' | while read -r rule; do eval "$ipt -t $t $rule" || true; done
-    for c in $("$ipt" -t "$t" -S 2> /dev/null | awk '/^-N KUBE-/{print $2}'); do
+  for t in $IPT_TABLES; do
+    made="$(new_rules "$ipt" "$t")"
+    { grep '^-A' <<< "$made" || true; } | sed 's/^-A/-D/' \
+      | while read -r rule; do eval "$ipt -t $t $rule" || true; done
+    for c in $(awk '/^-N /{print $2}' <<< "$made"); do
       "$ipt" -t "$t" -F "$c"; "$ipt" -t "$t" -X "$c" 2> /dev/null || true
     done
   done
 done
+# The kubelet's links to its pod logs (/var/log/containers is fixed: kuberuntime/legacy.go).
+for l in /var/log/containers/*; do
+  [[ -L "$l" && "$(readlink "$l")" == "$STATE/"* ]] && rm -f "$l"
+done
+if [[ -f "$RUN_DIR/made-var-log-containers" ]]; then rmdir /var/log/containers 2> /dev/null || true; fi
+if [[ -f "$RUN_DIR/made-webhook-certs" ]]; then rm -rf "${WEBHOOK_CERTS%/serving-certs}"; fi
 # The host sysctls that the kubelet changed, back to what up.sh found.
 if [[ -f "$RUN_DIR/sysctl.saved" ]]; then
   while read -r k v; do echo "$v" > "/proc/sys/$k" || true; done < "$RUN_DIR/sysctl.saved"
@@ -82,15 +100,17 @@ fi
 # containerd 1.6 puts shim sockets in /run/containerd/s whatever its state folder: drop the
 # folders if they are empty (another containerd may use them).
 rmdir /run/containerd/s /run/containerd/runc/k8s.io /run/containerd/runc /run/containerd 2> /dev/null || true
+# Verify: nothing of ours runs, is mounted, filtered, linked or left in a cgroup or in /tmp.
+rules="$(for ipt in iptables ip6tables; do for t in $IPT_TABLES; do new_rules "$ipt" "$t"; done; done)"
+cg="$(for h in $(cgroup_hierarchies); do [[ ! -d "$h/$CGROUP_ROOT" ]] || echo "$h/$CGROUP_ROOT"; done)"
+links="$(find /var/log/containers -maxdepth 1 -type l -lname "$STATE/*" 2> /dev/null || true)"
+certs="$(if [[ -f "$RUN_DIR/made-webhook-certs" && -e "$WEBHOOK_CERTS" ]]; then echo "$WEBHOOK_CERTS"; fi)"
 if [[ "${KEEP_STATE:-0}" != 1 ]]; then rm -rf "$STATE" "$RUN_DIR"; fi
-
-# Verify: nothing of ours runs, is mounted or filtered.
 left="$(mounts)"
 procs="$(for e in /proc/[0-9]*/exe; do readlink "$e" 2> /dev/null | grep -qE "^($CACHE|$STATE|$RUN_DIR)/" && echo "${e%/exe}"; done || true)"
 procs+="$(pgrep -af -- "containerd --config $STATE|-address $CONTAINERD_SOCK" || true)"
-rules="$(iptables-save 2> /dev/null | grep -E 'KUBE-|unet-cluster' || true)"
-cg="$(ls -d /sys/fs/cgroup/*/kubepods 2> /dev/null || true)"
-if [[ -n "$left$procs$rules$cg" ]]; then
-  log "left behind:"; printf '%s\n' "$left" "$procs" "$rules" "$cg" | grep -v '^$' >&2; exit 1
+if [[ -n "$left$procs$rules$cg$links$certs" ]]; then
+  log "left behind:"; printf '%s\n' "$left" "$procs" "$rules" "$cg" "$links" "$certs" | grep -v '^$' >&2
+  exit 1
 fi
-log "down: no process, mount, cgroup or iptables rule of the cluster is left"
+log "down: no process, mount, cgroup, iptables/ip6tables rule, log link or key of the cluster is left"

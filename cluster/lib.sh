@@ -3,7 +3,7 @@
 K8S_VERSION="${K8S_VERSION:-v1.35.4}"          # k8s.io/kubernetes (proxy serves v1.34.x-v1.37.x)
 K8S_STAGING="v0.${K8S_VERSION#v1.}"            # its staging modules, published as v0.35.4
 ETCD_VERSION="${ETCD_VERSION:-v3.6.16}"        # go.etcd.io/etcd/server/v3 (k8s 1.35 pins 3.6.x, build/dependencies.yaml)
-ARGO_VERSION="${ARGO_VERSION:-}"               # empty: v4.1.2 if the proxy serves it, else newest v4
+ARGO_VERSION="${ARGO_VERSION:-v4.0.5}"         # github.com/argoproj/argo-workflows/v4 (the newest v4 the proxy serves; v4.1.x: 403)
 TRAINING_OPERATOR_VERSION="${TRAINING_OPERATOR_VERSION:-v1.9.3}"  # github.com/kubeflow/training-operator (proxy lists only v1.8.1, serves v1.9.0-v1.9.3 exactly)
 # Argo's UI (cluster/build.sh ui): built with this yarn from the Argo module's own ui/ source.
 # Its one input no registry serves, argo-ui at the commit ui/package.json pins, is vendored
@@ -19,23 +19,34 @@ CACHE="${UNET_CLUSTER_CACHE:-$HOME/.cache/unet-cluster}"
 STATE="${UNET_CLUSTER_STATE:-/var/lib/unet-cluster}"   # certs, etcd data, kubelet and containerd roots
 RUN_DIR="${UNET_CLUSTER_RUN:-/run/unet-cluster}"        # sockets, pid files, containerd state
 LOGS="$STATE/logs"
+POD_LOGS="$STATE/pod-logs"                              # the kubelet's podLogsDir
+CGROUP_ROOT="${UNET_CLUSTER_CGROUP:-unet-cluster}"      # the kubelet's cgroupRoot, in each v1 hierarchy
+WEBHOOK_CERTS=/tmp/k8s-webhook-server/serving-certs     # the training operator's, fixed (pkg/cert/cert.go)
 KUBECONFIG_ADMIN="$STATE/pki/admin.conf"
 CONTAINERD_SOCK="$RUN_DIR/containerd/containerd.sock"
 export GOTOOLCHAIN="${GOTOOLCHAIN:-local}" CGO_ENABLED=0 GOFLAGS="-mod=mod -buildvcs=false"
 
 log() { printf '[%(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
+# Every cgroup hierarchy: the v1 ones, the named systemd one (the kubelet wants its cgroupRoot
+# in each: cgroupManager.Validate) and, on a hybrid host, the unified one (runc makes the pods'
+# cgroups there too).
+cgroup_hierarchies() {
+  local h
+  if [[ -f /sys/fs/cgroup/cgroup.controllers ]]; then echo /sys/fs/cgroup; return; fi   # v2 only
+  for h in /sys/fs/cgroup/*/; do
+    [[ -f "${h}cgroup.procs" ]] && echo "${h%/}"
+  done
+}
+# What iptables/ip6tables hold of a Kubernetes node or of ours, in `-S` form, per table: the
+# kubelet's KUBE-* chains and jumps (pkg/kubelet/kubelet_network_linux.go) and the rules with
+# the comment unet-cluster (up.sh, operator.sh).
+our_rules() {  # IPT TABLE
+  "$1" -t "$2" -S 2> /dev/null | grep -E '^-[AN] KUBE-|-j KUBE-|--comment "?unet-cluster' || true
+}
+IPT_TABLES="filter nat mangle"
 die() { log "ERROR: $*"; exit 1; }
 
-# Resolve the Argo version once: the exact v4.1.2 first, else the newest v4 the proxy lists.
-argo_version() {
-  if [[ -n "$ARGO_VERSION" ]]; then echo "$ARGO_VERSION"; return; fi
-  if [[ -f "$CACHE/argo-version" ]]; then cat "$CACHE/argo-version"; return; fi
-  local v
-  if go list -m github.com/argoproj/argo-workflows/v4@v4.1.2 > /dev/null 2>&1; then v=v4.1.2
-  else v="$(go list -m -versions github.com/argoproj/argo-workflows/v4 | tr ' ' '\n' | grep -E '^v4\.[0-9]+\.[0-9]+$' | sort -V | tail -n 1)"; fi
-  [[ -n "$v" ]] || die "the Go module proxy serves no v4 of github.com/argoproj/argo-workflows/v4"
-  mkdir -p "$CACHE"; echo "$v" > "$CACHE/argo-version"; echo "$v"
-}
+argo_version() { echo "$ARGO_VERSION"; }   # one pin, no guessing: what ran is what is cached
 
 # The UI's dist/app, and the Argo binaries built with it embedded (argo server serves it).
 ui_dir() { echo "$CACHE/argo-ui-$(argo_version)"; }

@@ -26,13 +26,20 @@ alive() { [[ -f "$PID" ]] && kill -0 "$(cat "$PID")" 2> /dev/null; }
 if [[ "${1:-}" == stop ]]; then
   if alive; then kill "$(cat "$PID")"; for _ in $(seq 20); do alive || break; sleep 0.5; done; fi
   alive && kill -9 "$(cat "$PID")" 2> /dev/null || true
-  rm -f "$PID"; log "training-operator stopped"; exit 0
+  [[ ! -f "$RUN_DIR/made-webhook-certs" ]] || rm -rf "${WEBHOOK_CERTS%/serving-certs}"
+  rm -f "$PID" "$RUN_DIR/made-webhook-certs"; log "training-operator stopped"; exit 0
 fi
 
 [[ -x "$OPERATOR_DIR/bin/training-operator" ]] \
   || die "$OPERATOR_DIR/bin/training-operator missing: run bash cluster/build.sh training-operator"
 [[ -f "$KUBECONFIG_ADMIN" ]] && kc get --raw /readyz > /dev/null 2>&1 \
   || die "no cluster answers at $KUBECONFIG_ADMIN: run bash cluster/up.sh"
+
+# Its key folder is fixed, in /tmp (pkg/cert/cert.go certDir): it must be ours (down.sh
+# removes it), and what is written there readable by root alone.
+if [[ -e "$WEBHOOK_CERTS" && ! -f "$RUN_DIR/made-webhook-certs" ]]; then
+  die "$WEBHOOK_CERTS exists and operator.sh did not make it (another operator's?)"
+fi
 
 # CRDs: only PyTorchJob is used; the controller is started with --enable-scheme=pytorchjob, so
 # the other kinds' CRDs are not needed (main.go fills all schemes only when none is given).
@@ -84,16 +91,17 @@ fi
 # In its Deployment (manifests/base/deployment.yaml) the kubelet mounts the Secret at the cert
 # folder of pkg/cert/cert.go; the rotator only fills the Secret and then waits for the files
 # (rotator.go ensureCertsMounted). A host process has no kubelet: write them as the mount would.
-certs=/tmp/k8s-webhook-server/serving-certs
 for _ in $(seq 120); do
   crt="$(kc -n "$NS" get secret "$SECRET" -o jsonpath='{.data.tls\.crt}' 2> /dev/null || true)"
   [[ -n "$crt" ]] && break; sleep 1
 done
 [[ -n "$crt" ]] || die "the operator's cert rotator did not fill secret $NS/$SECRET"
-mkdir -p "$certs"
+touch "$RUN_DIR/made-webhook-certs"
+(umask 077 && mkdir -p "$WEBHOOK_CERTS")
 for f in tls.crt tls.key ca.crt; do
-  kc -n "$NS" get secret "$SECRET" -o jsonpath="{.data.${f//./\\.}}" | base64 -d > "$certs/$f.tmp"
-  mv "$certs/$f.tmp" "$certs/$f"
+  (umask 077 && kc -n "$NS" get secret "$SECRET" -o jsonpath="{.data.${f//./\\.}}" \
+    | base64 -d > "$WEBHOOK_CERTS/$f.tmp")
+  mv "$WEBHOOK_CERTS/$f.tmp" "$WEBHOOK_CERTS/$f"
 done
 # readyz turns ok once the certificates exist and the webhook server started (main.go
 # setupProbeEndpoints); the controllers are registered right after the same channel closes.

@@ -43,7 +43,16 @@ wait_for() {
 kc() { kubectl --kubeconfig "$KUBECONFIG_ADMIN" "$@"; }
 
 mkdir -p "$STATE" "$RUN_DIR" "$LOGS"
-command -v kubectl > /dev/null || bash "$here/../manifests/install-kubectl.sh"
+chmod 700 "$STATE" "$RUN_DIR"
+bash "$here/../manifests/install-kubectl.sh" > /dev/null   # within one minor of the API server
+# What down.sh may take away is what was not here before the first start: the iptables and
+# ip6tables rules of a Kubernetes node (another cluster's included), and /var/log/containers.
+if [[ ! -f "$RUN_DIR/before.rules" ]]; then
+  for ipt in iptables ip6tables; do
+    for t in $IPT_TABLES; do our_rules "$ipt" "$t" | sed "s/^/$ipt $t /"; done
+  done > "$RUN_DIR/before.rules"
+  [[ -d /var/log/containers ]] || touch "$RUN_DIR/made-var-log-containers"
+fi
 
 # ---- 1. certificates and etcd ----------------------------------------------------------------
 need_built "$ETCD_DIR/bin/etcd" "$K/kube-apiserver" "$K/kubeadm"
@@ -209,6 +218,9 @@ failCgroupV1: false
 cgroupDriver: cgroupfs
 failSwapOn: false
 volumePluginDir: $STATE/kubelet-plugins
+# Its own cgroup root and pod log folder: down.sh stops and removes only what is under them.
+cgroupRoot: /$CGROUP_ROOT
+podLogsDir: $POD_LOGS
 # Our images cannot be pulled again: image GC only on a full disk.
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
@@ -223,6 +235,17 @@ if [[ ! -f "$RUN_DIR/sysctl.saved" ]]; then
     kernel/keys/root_maxkeys kernel/keys/root_maxbytes; do echo "$k $(cat "/proc/sys/$k")"; done \
     > "$RUN_DIR/sysctl.saved"
 fi
+# The kubelet checks that cgroupRoot exists in every hierarchy (pkg/kubelet/cm/
+# container_manager_linux.go, cgroupManager.Validate); a new v1 cpuset needs its CPUs and
+# memory nodes before a task can join it.
+for h in $(cgroup_hierarchies); do
+  mkdir -p "$h/$CGROUP_ROOT"
+  if [[ -f "$h/cpuset.cpus" && -z "$(cat "$h/$CGROUP_ROOT/cpuset.cpus")" ]]; then
+    cat "$h/cpuset.cpus" > "$h/$CGROUP_ROOT/cpuset.cpus"
+    cat "$h/cpuset.mems" > "$h/$CGROUP_ROOT/cpuset.mems"
+  fi
+done
+mkdir -p "$POD_LOGS"
 # --hostname-override=localhost: the node is `localhost`; its InternalIP is found by the kubelet
 # (pkg/kubelet/nodestatus/setters.go: loopback addresses are refused, so the default-route one).
 start kubelet "$K/kubelet" --config="$STATE/kubelet.yaml" --kubeconfig="$PKI/kubelet.conf" \
@@ -248,13 +271,16 @@ kc delete pod hello --wait=false > /dev/null
 # ---- 4. Argo Workflows -----------------------------------------------------------------------
 need_built "$ARGO_DIR/bin/workflow-controller" "$ARGO_DIR/bin/argo" "$CACHE/argoexec-image-$ARGO_V/argoexec.tar"
 log "[4/4] Argo Workflows $ARGO_V: CRDs, controller, server"
-kc apply --server-side -k "$ARGO_DIR/crds/minimal" > /dev/null
+# The full CRDs, as Argo's cluster install applies them (manifests/cluster-install: ../base/
+# crds/full): the API server checks every Workflow and template against their schema.
+kc apply --server-side -k "$ARGO_DIR/crds/full" > /dev/null
 wait_for "Argo CRDs Established" 60 kc wait --for=condition=Established crd --all --timeout=5s
 kc create namespace argo --dry-run=client -o yaml | kc apply -f - > /dev/null
 # The controller's ConfigMap (config/config.go): every pod on the host network (no kube-proxy,
 # no cluster DNS) and the executor's init/wait containers told where the API server is
-# (workflow/controller/workflowpod.go appends executor.env to them). Metrics off: its server
-# would listen on all interfaces (util/telemetry/exporter_prometheus.go).
+# (workflow/controller/workflowpod.go appends executor.env to them). Metrics on, as Argo's
+# default, in plain http on :9090 (util/telemetry/exporter_prometheus.go), which binds every
+# interface: the rules below keep it to loopback, where the tests scrape our unet_* series.
 kc apply -f - > /dev/null <<EOF
 apiVersion: v1
 kind: ConfigMap
@@ -270,7 +296,9 @@ data:
     - {name: KUBERNETES_SERVICE_HOST, value: 127.0.0.1}
     - {name: KUBERNETES_SERVICE_PORT, value: "6443"}
   metricsConfig: |
-    enabled: false
+    enabled: true
+    port: 9090
+    secure: false
   telemetryConfig: |
     enabled: false
 EOF
@@ -283,36 +311,78 @@ for ipt in iptables ip6tables; do
     "$ipt" -C "${rule[@]}" 2> /dev/null || "$ipt" -I "${rule[@]}"
   done
 done
-cp "$KUBECONFIG_ADMIN" "$STATE/argo.conf"
-kubectl --kubeconfig "$STATE/argo.conf" config set-context --current --namespace=argo > /dev/null
-# The controller runs as the ServiceAccount argo/argo with Argo's own install RBAC (the
-# ClusterRole argo-cluster-role and Role argo-role of the module's
-# manifests/cluster-install-no-crds/workflow-controller-rbac), not as cluster-admin: what it may
-# do here is what it may do in a real install, so a missing grant (the memoization cache's
+# sa_kubeconfig ACCOUNT FILE: a kubeconfig (mode 600) that acts as the ServiceAccount argo/ACCOUNT.
+sa_kubeconfig() {
+  (umask 077; cp "$KUBECONFIG_ADMIN" "$2")
+  kubectl --kubeconfig "$2" config set-credentials "$1" \
+    --token="$(kc -n argo create token "$1" --duration=48h)" > /dev/null
+  kubectl --kubeconfig "$2" config set-context --current --user="$1" --namespace=argo > /dev/null
+}
+# The controller runs as the ServiceAccount argo/argo and `argo server` as argo/argo-server, each
+# with Argo's own install RBAC from the module (manifests/cluster-install-no-crds:
+# workflow-controller-rbac's ClusterRole argo-cluster-role and Role argo-role,
+# argo-server-rbac's ClusterRole argo-server-cluster-role), not as cluster-admin: what they may
+# do here is what they may do in a real install, so a missing grant (the memoization cache's
 # ConfigMap, manifests/controller) fails here as it would there.
 argo_src="$(go mod download -json "github.com/argoproj/argo-workflows/v4@$ARGO_V" | sed -n 's/^\s*"Dir": "\(.*\)",$/\1/p')"
-rbac="$argo_src/manifests/cluster-install-no-crds/workflow-controller-rbac"
-need_built "$rbac/workflow-controller-clusterrole.yaml"
-kc -n argo create serviceaccount argo --dry-run=client -o yaml | kc apply -f - > /dev/null
-kc -n argo apply -f "$rbac/workflow-controller-clusterrole.yaml" -f "$rbac/workflow-controller-role.yaml" > /dev/null
-kc create clusterrolebinding argo-binding --clusterrole=argo-cluster-role --serviceaccount=argo:argo \
-  --dry-run=client -o yaml | kc apply -f - > /dev/null
+rbac="$argo_src/manifests/cluster-install-no-crds"
+need_built "$rbac/workflow-controller-rbac/workflow-controller-clusterrole.yaml" \
+  "$rbac/argo-server-rbac/argo-server-clusterole.yaml"
+# workflow-aggregate-roles.yaml adds Argo's kinds to Kubernetes' view, edit and admin roles, as
+# the install does: a namespace's admin may then use workflows there.
+kc -n argo apply -f "$rbac/workflow-controller-rbac/workflow-controller-clusterrole.yaml" \
+  -f "$rbac/workflow-controller-rbac/workflow-controller-role.yaml" \
+  -f "$rbac/workflow-controller-rbac/workflow-aggregate-roles.yaml" \
+  -f "$rbac/argo-server-rbac/argo-server-clusterole.yaml" > /dev/null
+for account in argo argo-server; do
+  kc -n argo create serviceaccount "$account" --dry-run=client -o yaml | kc apply -f - > /dev/null
+  kc create clusterrolebinding "$account-binding" --clusterrole="$account-cluster-role" \
+    --serviceaccount="argo:$account" --dry-run=client -o yaml | kc apply -f - > /dev/null
+done
 kc -n argo create rolebinding argo-binding --role=argo-role --serviceaccount=argo:argo \
   --dry-run=client -o yaml | kc apply -f - > /dev/null
-cp "$KUBECONFIG_ADMIN" "$STATE/controller.conf"
-kubectl --kubeconfig "$STATE/controller.conf" config set-credentials argo \
-  --token="$(kc -n argo create token argo --duration=48h)" > /dev/null
-kubectl --kubeconfig "$STATE/controller.conf" config set-context --current --user=argo --namespace=argo > /dev/null
+sa_kubeconfig argo "$STATE/controller.conf"
+sa_kubeconfig argo-server "$STATE/argo-server.conf"
+# TLS for argo server (--secure, its default): a CA and a server certificate for localhost and
+# 127.0.0.1, made at the first start (or when it expires within a day), in the Secret that the
+# server reads (cmd/argo/commands/server.go --tls-certificate-secret-name,
+# util/tls/tls.go GetServerTLSConfigFromSecret: tls.crt and tls.key in its own namespace). The
+# CA's key is deleted once it has signed; clients get the CA certificate, $ARGO_PKI/ca.crt.
+ARGO_PKI="$PKI/argo-server"
+if ! openssl x509 -checkend 86400 -noout -in "$ARGO_PKI/tls.crt" > /dev/null 2>&1; then
+  rm -rf "$ARGO_PKI"
+  (umask 077 && mkdir -p "$ARGO_PKI" && cd "$ARGO_PKI" \
+    && openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 30 \
+      -keyout ca.key -out ca.crt -subj "/CN=unet-cluster argo-server CA" \
+      -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign \
+    && openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -keyout tls.key \
+      -out tls.csr -subj /CN=argo-server \
+    && printf '%s\n' "subjectAltName=DNS:localhost,IP:127.0.0.1" extendedKeyUsage=serverAuth \
+      basicConstraints=critical,CA:FALSE > tls.ext \
+    && openssl x509 -req -in tls.csr -CA ca.crt -CAkey ca.key -set_serial "0x$(openssl rand -hex 16)" \
+      -days 30 -extfile tls.ext -out tls.crt \
+    && rm ca.key tls.csr tls.ext && chmod 644 ca.crt tls.crt && chmod 755 .) > "$LOGS/openssl.log" 2>&1 \
+    || { cat "$LOGS/openssl.log" >&2; die "could not make argo server's certificate"; }
+fi
+kc -n argo create secret tls argo-server-tls --cert="$ARGO_PKI/tls.crt" --key="$ARGO_PKI/tls.key" \
+  --dry-run=client -o yaml | kc apply -f - > /dev/null
 LEADER_ELECTION_DISABLE=true KUBECONFIG="$STATE/controller.conf" start workflow-controller \
   "$ARGO_DIR/bin/workflow-controller" --configmap=workflow-controller-configmap \
   --executor-image="localhost/unet-cluster/argoexec:$ARGO_V" --executor-image-pull-policy=IfNotPresent
-KUBECONFIG="$STATE/argo.conf" start argo-server "$ARGO_DIR/bin/argo" server --auth-mode=server \
-  --secure=false --port=2746 --namespaced=false
+# --auth-mode=client: every call acts with the caller's own token (server/auth/gatekeeper.go);
+# no token is a 401. The server's own account only reads its Secret and serves the UI.
+KUBECONFIG="$STATE/argo-server.conf" start argo-server "$ARGO_DIR/bin/argo" server \
+  --auth-mode=client --tls-certificate-secret-name=argo-server-tls --port=2746 --namespaced=false
+ARGO_URL=https://127.0.0.1:2746
+argo_curl() { curl -s --cacert "$ARGO_PKI/ca.crt" "$@"; }
 wait_for "workflow-controller /healthz" 90 curl -sf http://127.0.0.1:6060/healthz
-wait_for "argo server /api/v1/version" 90 curl -sf http://127.0.0.1:2746/api/v1/version
+refuses_anonymous() {   # 503 until it has started; then 401, or the server is open
+  [[ "$(argo_curl -o /dev/null -w '%{http_code}' "$ARGO_URL/api/v1/workflows/argo")" == 401 ]]
+}
+wait_for "argo server over TLS, refusing a call without a token (401)" 90 refuses_anonymous
 # The UI that argo server embeds is the one cluster/build.sh built from source (its webpack
 # bundle), never a placeholder page.
-curl -sf http://127.0.0.1:2746/ | grep -Eq '<script[^>]* src="[^"]*main\.[0-9a-f]+\.js"' \
+argo_curl -f "$ARGO_URL/" | grep -Eq '<script[^>]* src="[^"]*main\.[0-9a-f]+\.js"' \
   || die "argo server serves no built UI at / (cluster/build.sh ui argo)"
 # The executor needs to write WorkflowTaskResults (Argo's manifests/quick-start executor role).
 kc apply -f - > /dev/null <<EOF
@@ -349,13 +419,19 @@ EOF
 wait_for "hello Workflow Succeeded" 180 \
   kc -n argo wait --for=jsonpath='{.status.phase}'=Succeeded workflow/hello --timeout=5s
 log "  hello Workflow output: $(kc -n argo get workflow hello -o jsonpath='{.status.nodes.hello.outputs.parameters[0].value}')"
-# The same through `argo server`, as the CLI and the UI (http://127.0.0.1:2746/) reach it (auth-mode server ignores the
-# token, but the CLI wants one).
-ARGO_SERVER=127.0.0.1:2746 ARGO_SECURE=false ARGO_HTTP1=true ARGO_TOKEN=unused \
+# The same through `argo server`, as the argo CLI reaches it: over TLS with the CA (Go reads
+# SSL_CERT_FILE) and a token, here the controller's account's (it may read workflows).
+SSL_CERT_FILE="$ARGO_PKI/ca.crt" ARGO_SERVER=127.0.0.1:2746 ARGO_HTTP1=true \
+  ARGO_TOKEN="Bearer $(kc -n argo create token argo --duration=10m)" \
   "$ARGO_DIR/bin/argo" -n argo get hello -o name > /dev/null || die "argo server does not list the hello Workflow"
 # Every listener of ours is on loopback, or on a port that the rules above guard.
 open="$(ss -Hltnp | grep -E '"(etcd|kube-[a-z-]*|kubelet|containerd|workflow-contro|argo)"' \
   | awk '$4 !~ /^(127\.0\.0\.1|\[::1\]):/ && $4 !~ /:(2746|6060|9090)$/' || true)"
 [[ -z "$open" ]] || die "listening beyond loopback: $open"
+readable="$(find "$STATE/pki" -type f \( -name '*.key' -o -name '*.conf' \) -perm /o+r; \
+  find "$STATE" -maxdepth 1 -type f -name '*.conf' -perm /o+r)"
+[[ -z "$readable" ]] || die "keys or kubeconfigs readable by others: $readable"
 log "up: etcd $ETCD_VERSION, Kubernetes $K8S_VERSION, containerd $(containerd --version | awk '{print $3}'), Argo $ARGO_V in $(( $(date +%s) - t_start ))s"
-log "KUBECONFIG=$KUBECONFIG_ADMIN ARGO_SERVER=127.0.0.1:2746 ARGO_SECURE=false ARGO_HTTP1=true ARGO_TOKEN=unused"
+log "KUBECONFIG=$KUBECONFIG_ADMIN ARGO_SERVER=127.0.0.1:2746 ARGO_HTTP1=true"
+log "argo server's CA (argo CLI: SSL_CERT_FILE, Python: REQUESTS_CA_BUNDLE): $ARGO_PKI/ca.crt"
+log "a token (Bearer, as the argo CLI wants it): ARGO_TOKEN=\"Bearer \$(kubectl -n <namespace> create token <account>)\""

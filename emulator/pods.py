@@ -40,7 +40,7 @@ from emulator.errors import LocalRunError
 
 ENGINES = ("podman", "docker")
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("pyproject.toml", "steps")  # what a step runs (steps never import workflows/)
+SOURCES = ("pyproject.toml", ".ci/constraints.txt", "steps")  # what a step runs, at which versions
 SOURCES_LABEL = "unet-argo.sources"
 PULL = {"Always": "always", "IfNotPresent": "missing", "Never": "never"}
 SHM = "/dev/shm"

@@ -208,9 +208,12 @@ def publish(out_dir: Path | str, artifact: str, step: str,
     The staging directory lives inside ``out_dir`` (same filesystem, so moves are renames, and
     no write outside the declared output). ``out_dir`` must be empty or absent. On success the
     staged files move up and ``MANIFEST.json`` is written last; on any exception ``out_dir``
-    is emptied and the exception propagates.
+    is emptied, removed when this call made it, and the exception propagates: Argo's wait
+    container saves an output whose path exists even after the step failed (v4.0.5
+    cmd/argoexec/commands/wait.go, SaveArtifacts), and would list an empty artifact.
     """
     out_dir = Path(out_dir)
+    made = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         leftovers = [p.name for p in out_dir.iterdir()]
@@ -233,6 +236,8 @@ def publish(out_dir: Path | str, artifact: str, step: str,
         write_manifest(out_dir, artifact, step, parameters)
     except BaseException as exc:
         _empty(out_dir)
+        if made:
+            out_dir.rmdir()
         if isinstance(exc, OSError) and _disk_full(exc):
             raise StepError(f"output directory {out_dir} for '{artifact}': disk full or file "
                             f"size limit reached ({exc.strerror or exc}); nothing was "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -32,7 +33,9 @@ REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "cluster"
 STATE = Path(os.environ.get("UNET_CLUSTER_STATE", "/var/lib/unet-cluster"))
 KUBECONFIG = STATE / "pki" / "admin.conf"
-ARGO_URL = "http://127.0.0.1:2746"
+ARGO_URL = "https://127.0.0.1:2746"
+ARGO_CA = STATE / "pki" / "argo-server" / "ca.crt"   # made by cluster/up.sh
+CACHE = Path(os.environ.get("UNET_CLUSTER_CACHE") or Path.home() / ".cache" / "unet-cluster")
 REQUIRED = os.environ.get("UNET_REQUIRE_CLUSTER") == "1"
 NAMESPACE = "unet"
 CONTROLLER_NAMESPACE = "argo"        # cluster/up.sh runs the controller as argo/argo
@@ -75,12 +78,44 @@ def _last_lines(text: str, n: int = 8) -> str:
     return " | ".join(text.strip().splitlines()[-n:])
 
 
+# What another Kubernetes node on the same machine would have: its kubelet's chain and its
+# cgroups at the default root. cluster/down.sh must leave them alone (it once removed every
+# KUBE-* chain and killed every process under any kubepods).
+NEIGHBOUR_CHAIN = "KUBE-NEIGHBOUR-TEST"
+NEIGHBOUR_CGROUP = Path("/sys/fs/cgroup/pids/kubepods/neighbour-test")
+
+
+def _neighbour() -> list[str]:
+    """Where the neighbour's chain and cgroup exist now."""
+    found = [ipt for ipt in ("iptables", "ip6tables")
+             if subprocess.run([ipt, "-S", NEIGHBOUR_CHAIN], capture_output=True).returncode == 0]
+    return found + ([str(NEIGHBOUR_CGROUP)] if NEIGHBOUR_CGROUP.is_dir() else [])
+
+
+def _plant_neighbour(plant: bool) -> None:
+    for ipt in ("iptables", "ip6tables"):
+        subprocess.run([ipt, "-N" if plant else "-X", NEIGHBOUR_CHAIN], capture_output=True)
+    if plant:
+        NEIGHBOUR_CGROUP.mkdir(parents=True, exist_ok=True)
+        return
+    for folder in (NEIGHBOUR_CGROUP, NEIGHBOUR_CGROUP.parent):
+        try:
+            folder.rmdir()
+        except OSError:      # not there, or another kubelet's in use
+            pass
+
+
 @pytest.fixture(scope="session")
 def cluster():
-    """cluster/up.sh, then our image into containerd; cluster/down.sh at the end."""
+    """cluster/up.sh, then our image into containerd; cluster/down.sh at the end, which must
+    leave a neighbouring node's iptables chain and cgroups as they were."""
     reason = _unavailable()
     if reason:
         _skip(reason)
+    keep = os.environ.get("UNET_CLUSTER_KEEP") == "1"
+    if not keep:
+        _plant_neighbour(True)
+    planted = _neighbour()
     try:   # down.sh also after a failed start: up.sh may have started some of it
         up = _script("up.sh", timeout=600)
         if up.returncode != 0:
@@ -91,9 +126,12 @@ def cluster():
         assert load.returncode == 0, f"cluster/load-image.sh: {_last_lines(load.stderr)}"
         yield
     finally:
-        if os.environ.get("UNET_CLUSTER_KEEP") != "1":
+        if not keep:
             down = _script("down.sh", timeout=300)
+            left = _neighbour()
+            _plant_neighbour(False)
             assert down.returncode == 0, f"cluster/down.sh: {_last_lines(down.stderr)}"
+            assert left == planted, f"cluster/down.sh took a neighbour's {planted} (left {left})"
 
 
 def kubectl(*args: str, stdin: str | None = None, check: bool = True) -> str:
@@ -155,7 +193,20 @@ def argo(store, tmp_path_factory) -> ArgoServer:
     kubectl("-n", CONTROLLER_NAMESPACE, "delete", "configmap", CFG.memoize.config_map,
             "--ignore-not-found")
     kubectl("apply", "-k", str(REPO / "manifests" / "controller"), "-n", CONTROLLER_NAMESPACE)
-    return ArgoServer(base_url=ARGO_URL, namespace=NAMESPACE, timeout=60)
+    return as_account("unet-user")
+
+
+def token(account: str, namespace: str = NAMESPACE) -> str:
+    """A ServiceAccount token, as a user makes one for ``ARGO_TOKEN``."""
+    return "Bearer " + kubectl("-n", namespace, "create", "token", account,
+                               "--duration=3h").strip()
+
+
+def as_account(account: str, namespace: str = NAMESPACE) -> ArgoServer:
+    """The Argo Server over TLS (its CA from cluster/up.sh) with ``account``'s token; the server
+    runs ``--auth-mode=client``, so it acts with that account's rights only."""
+    return ArgoServer(base_url=ARGO_URL, namespace=NAMESPACE, token=token(account, namespace),
+                      ca_file=str(ARGO_CA), timeout=60)
 
 
 @pytest.fixture(scope="session")
@@ -207,18 +258,39 @@ def until(check, timeout: float, what: str, every: float = 2.0):
 def api(argo: ArgoServer, verb: str, name: str, body: dict) -> dict:
     """PUT /api/v1/workflows/{ns}/{name}/{verb}: what the UI's Retry and Resubmit send."""
     reply = requests.put(f"{ARGO_URL}/api/v1/workflows/{argo.namespace}/{name}/{verb}",
-                         json={"name": name, "namespace": argo.namespace, **body}, timeout=60)
+                         json={"name": name, "namespace": argo.namespace, **body}, timeout=60,
+                         headers={"Authorization": argo.token}, verify=argo.verify)
     assert reply.ok, f"{verb} {name}: HTTP {reply.status_code} {reply.text[:300]}"
     return reply.json()
 
 
-def cli(*args: str, timeout: float = WAIT_S + 60) -> subprocess.CompletedProcess:
+def cli(argo: ArgoServer, *args: str, timeout: float = WAIT_S + 60) -> subprocess.CompletedProcess:
     """``workflows/unet.py ARGS --profile cluster`` against the cluster's argo server, as a
-    user runs it."""
-    env = {**os.environ, "ARGO_SERVER": ARGO_URL.removeprefix("http://"), "ARGO_SECURE": "false",
-           "ARGO_TOKEN": "unused", "ARGO_NAMESPACE": NAMESPACE}
+    user runs it: its address, ``argo``'s token and the server's CA in the environment."""
+    env = {**os.environ, "ARGO_SERVER": ARGO_URL.removeprefix("https://"), "ARGO_SECURE": "true",
+           "ARGO_INSECURE_SKIP_VERIFY": "false", "ARGO_TOKEN": argo.token,
+           "ARGO_NAMESPACE": NAMESPACE, "REQUESTS_CA_BUNDLE": str(ARGO_CA)}
     return subprocess.run([sys.executable, "workflows/unet.py", *args, "--profile", PROFILE],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def pin(name: str) -> str:
+    """A version pinned in cluster/lib.sh: ``NAME="${NAME:-vX.Y.Z}"``."""
+    found = re.search(rf'^{name}="\$\{{{name}:-(v[0-9.]+)\}}"',
+                      (CLUSTER / "lib.sh").read_text(), re.M)
+    assert found, f"cluster/lib.sh pins no {name}"
+    return found.group(1)
+
+
+def argo_cli(argo: ArgoServer, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The argo CLI that cluster/build.sh built, through argo server as ``argo``'s account,
+    with the server's CA (Go reads SSL_CERT_FILE)."""
+    binary = CACHE / f"argo-{pin('ARGO_VERSION')}-ui" / "bin" / "argo"
+    env = {**os.environ, "ARGO_SERVER": ARGO_URL.removeprefix("https://"), "ARGO_HTTP1": "true",
+           "ARGO_TOKEN": argo.token, "ARGO_NAMESPACE": argo.namespace,
+           "SSL_CERT_FILE": str(ARGO_CA)}
+    return subprocess.run([str(binary), *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def keys(server: SeaweedServer, prefix: str) -> list[str]:

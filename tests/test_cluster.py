@@ -32,17 +32,20 @@ from pathlib import Path
 
 import onnx
 import pytest
+import requests
 import yaml
 
 from benchmarks import orchestration
 from benchmarks.common import machine
-from workflows.argo import ArgoServer
+from workflows.argo import ArgoError, ArgoServer
 from emulator.dag import pod_name
 from emulator.runner import run_workflow
 from workflows.s3server import SeaweedServer
 
-from real_cluster import (BUCKET, CFG, CONTROLLER_NAMESPACE, IMAGE, NAMESPACE, REPO, api, cli,
-                          compiled, keys, kubectl, template, text, unique, wait)
+from real_cluster import (ARGO_CA, ARGO_URL, BUCKET, CFG, CONTROLLER_NAMESPACE, IMAGE, NAMESPACE,
+                          REPO, api, argo_cli, as_account, cli, compiled, keys, kubectl,
+                          template, text, token, unique, wait)
+from train_data import OPEN_GATE, STRICT_GATE, WITH_QUANTIZE
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -67,38 +70,6 @@ train.wait()
 print("fault: train killed after its first checkpoint", file=sys.stderr)
 sys.exit(137)
 """
-
-
-# ---- the cluster -----------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-# ---- workflows -----------------------------------------------------------------------------
-
-
-
-
-
-
-
-
 
 
 def emulate(doc: dict, local_store: SeaweedServer, tmp_path: Path):
@@ -202,11 +173,6 @@ def assert_agree(wf: dict, local, names: dict[str, str] | None = None) -> None:
     assert wf["status"]["phase"] == local.phase
 
 
-# ---- S3 ------------------------------------------------------------------------------------
-
-
-
-
 def attempt_log(server: SeaweedServer, wf: dict, task: str, attempt: int) -> str:
     node = next(n for n in wf["status"]["nodes"].values()
                 if n["displayName"] == f"{task}({attempt})")
@@ -270,14 +236,71 @@ def test_manifests_on_the_real_api_server(argo):
         kubectl("delete", "namespace", elsewhere, "--wait=false")
 
 
+# ---- 0. the server as users reach it: TLS, client auth, manifests/base/users.yaml ---------------
+def test_the_server_speaks_tls_signed_by_its_ca_and_wants_a_token(argo):
+    """cluster/up.sh: ``--auth-mode=client`` over TLS; the certificate is checked against the
+    CA it hands out (the system's CAs do not know it), and a call without a token is a 401."""
+    url = f"{ARGO_URL}/api/v1/workflows/{NAMESPACE}"
+    with pytest.raises(requests.exceptions.SSLError):
+        requests.get(url, timeout=30)
+    assert requests.get(url, verify=ARGO_CA, timeout=30).status_code == 401
+    assert requests.get(url.replace("https:", "http:"), timeout=30).status_code == 400
+    reply = requests.get(url, verify=ARGO_CA, timeout=30, headers={"Authorization": argo.token})
+    assert reply.status_code == 200, reply.text[:300]
+
+
+def test_a_token_of_another_namespace_is_forbidden_here(argo):
+    """An account that administers its own namespace lists workflows there, and gets a 403
+    in the pipeline's: the server passes on the caller's own rights."""
+    other = unique("other-team")
+    kubectl("create", "namespace", other)
+    try:
+        kubectl("-n", other, "create", "serviceaccount", "team")
+        kubectl("-n", other, "create", "rolebinding", "team", "--clusterrole=admin",
+                f"--serviceaccount={other}:team")
+        headers = {"Authorization": token("team", other)}
+        for namespace, code in ((other, 200), (NAMESPACE, 403)):
+            reply = requests.get(f"{ARGO_URL}/api/v1/workflows/{namespace}", headers=headers,
+                                 verify=ARGO_CA, timeout=30)
+            assert reply.status_code == code, (namespace, reply.text[:300])
+    finally:
+        kubectl("delete", "namespace", other, "--wait=false")
+
+
+def test_a_read_only_token_reads_but_cannot_submit(first_run, argo):
+    viewer = as_account("unet-viewer")
+    name = first_run["metadata"]["name"]
+    assert viewer.get_workflow(name)["status"]["phase"] == "Succeeded"
+    with pytest.raises(ArgoError, match="HTTP 403"):
+        viewer.create_workflow(compiled(name=unique("viewer")))
+    with pytest.raises(ArgoError, match="HTTP 403"):
+        viewer.submit_from_template(CFG.pipeline.model_name, [])
+    reply = requests.put(f"{ARGO_URL}/api/v1/workflows/{NAMESPACE}/{name}/resubmit",
+                         json={"name": name, "namespace": NAMESPACE}, verify=ARGO_CA,
+                         headers={"Authorization": viewer.token}, timeout=60)
+    assert reply.status_code == 403, reply.text[:300]
+
+
+def test_the_golden_files_pass_the_servers_own_checks(argo):
+    """All three compiled files (workflows/golden) pass the API server's dry run against
+    Argo's full CRDs and ``argo lint`` through argo server (its template references)."""
+    golden = sorted((REPO / "workflows" / "golden").glob("*.yaml"))
+    assert len(golden) == 3
+    for path in golden:      # in a namespace where the published template is not yet
+        kubectl("create", "--dry-run=server", "-n", "default", "-f", str(path))
+    done = argo_cli(argo, "lint", "--strict", *map(str, golden))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "no linting errors found" in (done.stdout + done.stderr).lower(), done.stdout
+
+
 # ---- 1. publish and submit as a user does ----------------------------------------------------
 @pytest.fixture(scope="session")
 def first_run(argo, store) -> dict:
     """``publish``, then ``submit --watch``: the workflow as the server reports it."""
-    published = cli("publish")
+    published = cli(argo, "publish")
     assert published.returncode == 0, published.stderr
     start = time.monotonic()
-    submitted = cli("submit", "--watch", "--poll", "2")
+    submitted = cli(argo, "submit", "--watch", "--poll", "2")
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr[-3000:]
     name = submitted.stdout.split()[0]
     return {**argo.get_workflow(name), "wall_s": time.monotonic() - start}
@@ -387,17 +410,18 @@ def test_resubmit_takes_download_and_preprocess_from_the_configmap_cache(
 def test_bad_input_is_not_retried_and_retry_reruns_only_that_node(argo, local_store,
                                                                   tmp_path):
     """Fold 4 of a 4-case dataset (folds 0-3) is bad input: train exits 2 and is not
-    retried; the UI's Retry with fold 0 reruns train alone and the workflow completes."""
+    retried; the UI's Retry with fold 0 (and the form's quantize switched off) reruns train
+    alone, quantize's ``when:`` is false, and the workflow completes."""
     name = unique("bad-input")
-    wf, local = both(argo, compiled(*FAST_RETRY, "train.fold=4", name=name), local_store,
-                     tmp_path)
+    wf, local = both(argo, compiled(*FAST_RETRY, WITH_QUANTIZE, "train.fold=4", name=name),
+                     local_store, tmp_path)
     table = argo_nodes(wf)
     assert wf["status"]["phase"] == "Failed"
     assert table["train"]["attempts"] == 1 and table["train"]["exit_codes"] == [2]
     assert table["convert"]["phase"] == "Omitted"
     assert_agree(wf, local)
     before = {n["id"]: n for n in wf["status"]["nodes"].values()}
-    api(argo, "retry", name, {"parameters": ["fold=0"]})
+    api(argo, "retry", name, {"parameters": ["fold=0", "quantize=false"]})
     time.sleep(3)
     retried = wait(argo, name)
     assert retried["status"]["phase"] == "Succeeded"
@@ -408,18 +432,80 @@ def test_bad_input_is_not_retried_and_retry_reruns_only_that_node(argo, local_st
         assert after[node_id]["finishedAt"] == before[node_id]["finishedAt"]
     rerun = argo_nodes(retried)
     assert rerun["train"]["phase"] == "Succeeded" and rerun["convert"]["phase"] == "Succeeded"
+    assert rerun["quantize"]["phase"] == "Skipped"
     assert rerun["train"]["exit_codes"][-1] == 0
 
 
-def test_the_published_template_submits_with_parameters(first_run, argo):
-    """The UI's form: POST /api/v1/workflows/{ns}/submit from the WorkflowTemplate."""
-    created = argo.submit_from_template(CFG.pipeline.model_name, ["max-epochs=1"])
-    wf = wait(argo, created["metadata"]["name"])
-    assert wf["status"]["phase"] == "Succeeded"
+def test_a_missed_int8_gate_fails_the_workflow_and_keeps_the_fp32_release(argo, store,
+                                                                         local_store, tmp_path):
+    """docs/operations.md on the real controller: quantize runs (its ``when:`` true), misses
+    the strictest gate, exits 2 with the gate's line as its message, is not retried and
+    publishes nothing; the workflow fails and convert's FP32 release stays."""
+    name = unique("missed-gate")
+    wf, local = both(argo, compiled(WITH_QUANTIZE, *STRICT_GATE, name=name), local_store,
+                     tmp_path)
+    table = argo_nodes(wf)
+    assert wf["status"]["phase"] == "Failed"
+    assert [table[t]["phase"] for t in ("train", "convert", "quantize")] == \
+        ["Succeeded", "Succeeded", "Failed"]
+    assert table["quantize"]["attempts"] == 1 and table["quantize"]["exit_codes"] == [2]
+    assert not table["quantize"]["artifacts"]
+    message = next(n["message"] for n in wf["status"]["nodes"].values()
+                   if n["displayName"] == "quantize(0)")
+    assert "error: quantize: INT8 (onnxruntime)" in message and \
+        message.endswith("nothing published"), message
+    release = f"{CFG.storage.models_prefix}/{CFG.pipeline.model_name}/{name}/"
+    released = keys(store, release)
+    assert f"{release}unet2d.onnx" in released and not any("/int8/" in k for k in released)
+    assert_agree(wf, local)
+
+
+def test_publish_again_updates_and_submit_from_template_runs_it(first_run, argo, store):
+    """The README's commands, as a user runs them a second time: ``publish`` updates the
+    template the first run created; ``submit --from-template`` runs it with a parameter
+    (POST /api/v1/workflows/{ns}/submit, what the UI's form sends)."""
+    def template() -> dict:
+        return json.loads(kubectl("-n", NAMESPACE, "get", "workflowtemplate",
+                                  CFG.pipeline.model_name, "-o", "json"))["metadata"]
+    before = template()
+    quantized = (WITH_QUANTIZE, *OPEN_GATE)
+    again = cli(argo, "publish", *(a for o in quantized for a in ("-p", o)))
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.startswith("updated WorkflowTemplate"), again.stdout
+    after = template()
+    assert after["uid"] == before["uid"] and after["generation"] > before["generation"]
+    submitted = cli(argo, "submit", "--from-template", "--watch", "--poll", "2",
+                    *(a for o in (*quantized, "train.max_epochs=1") for a in ("-p", o)))
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr[-3000:]
+    name = submitted.stdout.split()[0]
+    wf = argo.get_workflow(name)
+    assert wf["spec"]["workflowTemplateRef"]["name"] == CFG.pipeline.model_name
     given = {p["name"]: p.get("value") for p in wf["spec"]["arguments"]["parameters"]}
-    assert given["max-epochs"] == "1"
+    assert given["max-epochs"] == "1" and given["quantize"] == "true"
     outputs = {p["name"]: p["value"] for p in wf["status"]["outputs"]["parameters"]}
     assert outputs["best-epoch"] == "1"
+    assert argo_nodes(wf)["quantize"]["phase"] == "Succeeded"   # its when: true, and it ran
+    released = keys(store, f"{CFG.storage.models_prefix}/{CFG.pipeline.model_name}/{name}/int8/")
+    assert any(k.endswith(".onnx") for k in released), released
+
+
+def test_the_controller_exports_our_metrics(first_run):
+    """The Workflow's Prometheus metrics, emitted by the real controller (metrics on, as Argo
+    installs it) once train succeeded, with their labels, under the ``argo_workflows_`` prefix
+    that Argo v4.0.5 gives custom metrics (util/telemetry/exporter_prometheus.go WithNamespace,
+    docs/metrics.md); no node failed to emit one."""
+    text = requests.get("http://127.0.0.1:9090/metrics", timeout=30).text
+    prefix = "argo_workflows_"   # what the controller puts before a custom metric's name
+    series = {line.split("{")[0].split(" ")[0] for line in text.splitlines()
+              if line.startswith(f"{prefix}unet_")}
+    assert {f"{prefix}{name}" for name in ("unet_train_mean_dice", "unet_train_images_per_second",
+                                           "unet_train_duration_seconds_bucket")} <= series, \
+        sorted(series)
+    dice = next(line for line in text.splitlines()
+                if line.startswith(f"{prefix}unet_train_mean_dice{{"))
+    assert 'accelerator="cpu"' in dice and 'precision="fp32"' in dice, dice
+    conditions = first_run["status"].get("conditions") or []
+    assert not [c for c in conditions if c.get("type") == "MetricsError"], conditions
 
 
 # ---- 4. the emulator against the controller: the remaining fault scenarios -----------------

@@ -280,6 +280,20 @@ def test_cpu_image_is_multistage_with_optional_jemalloc():
     assert "LD_PRELOAD" not in " ".join(runtime.all("ENV"))
 
 
+def test_cpu_image_installs_the_tested_versions():
+    """The project's dependencies at the versions of .ci/constraints.txt (the set the suite
+    last passed with, as CI installs it), not whatever is newest on the day of the build."""
+    build = stages(dockerfile("cpu").read_text())[0]
+    copies = [body.split() for body in build.all("COPY") if not body.startswith("--from")]
+    target = next(parts[-1] for parts in copies if parts[0] == ".ci/constraints.txt")
+    project = [args for run in build.all("RUN") for args in pip_installs(run)
+               if any(a.startswith(".[") for a in args)]
+    assert project
+    for args in project:
+        given = {args[i + 1] for i, a in enumerate(args[:-1]) if a in ("-c", "--constraint")}
+        assert target in given, args
+
+
 def image_extras(kind: str) -> list[str]:
     args = {}
     for stage in stages(dockerfile(kind).read_text()):
@@ -383,7 +397,10 @@ def test_image_install_recipe_in_a_clean_venv(tmp_path):
     for kind in KINDS:   # the CPU image, which also runs quantize, adds the openvino extra
         assert extras[kind] <= extras["cpu"], f"{kind} installs extras the CPU image lacks"
     extras = {tuple(sorted(extras["cpu"]))}
-    sources = {tuple(copied_sources(kind)) for kind in KINDS}
+    # The CPU image also installs at the tested versions (test_cpu_image_installs_the_tested_
+    # versions); the others keep their base image's packages.
+    sources = {tuple(s for s in copied_sources(kind) if s != ".ci/constraints.txt")
+               for kind in KINDS}
     assert len(sources) == 1, f"the images copy different sources: {sources}"
 
     source = tmp_path / "src"

@@ -273,3 +273,15 @@ def test_the_readme_links_the_failure_modes_and_what_has_run_where():
     assert "| fault | what the pipeline does | what you do |" in operations
     assert "| what | where it ran | how |" in (REPO / "docs/status.md").read_text()
 
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    """CI calls the test command the README gives a user, the same line (.ci/run's last)."""
+    readme = (REPO / "README.md").read_text()
+    quickstart = readme[readme.index("## Quickstart"):]
+    blocks = re.findall(r"```bash\n(.*?)\n```", quickstart, re.S)
+    install_and_run, test = blocks[0].strip(), blocks[1].strip()
+    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.startswith("#")]
+    assert ci[-1] == test
+    for command in (install_and_run, test):      # the tested versions, as CI and the image
+        assert command.startswith("pip install -c .ci/constraints.txt torch=="), command

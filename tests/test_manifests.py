@@ -243,6 +243,31 @@ def test_workflow_role_covers_executor_and_training_operator():
 
 
 @needs_kubectl
+def test_user_roles_are_the_least_the_pipeline_needs():
+    """manifests/base/users.yaml: unet-user publishes, submits and reruns and reads only the
+    S3 Secret (for artifact links); unet-viewer reads. tests/test_cluster.py checks both
+    against the real Argo server in client auth mode."""
+    docs = built("local-minio")
+    user, viewer = find(docs, "Role", "unet-user"), find(docs, "Role", "unet-viewer")
+    secret = config()["storage"]["credentials_secret"]
+    for verb in ("create", "update", "delete"):
+        assert allowed(user, "argoproj.io", "workflows", verb), verb
+    assert allowed(user, "argoproj.io", "workflowtemplates", "update")
+    assert allowed(user, "", "secrets", "get", secret)
+    assert not allowed(user, "", "secrets", "get", "another-secret")
+    assert not allowed(user, "", "secrets", "list") and not allowed(user, "", "pods/exec",
+                                                                      "create")
+    for rule in viewer["rules"]:
+        assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule
+        assert "secrets" not in rule["resources"], rule
+    for name in ("unet-user", "unet-viewer"):
+        binding = find(docs, "RoleBinding", name)
+        assert binding["roleRef"]["name"] == name
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name,
+                                        "namespace": NAMESPACE}]
+
+
+@needs_kubectl
 def test_memoize_cache_is_labelled_and_writable_by_the_controller():
     """The cache is in the controller's namespace (Argo keeps it there), so it is in
     manifests/controller, which names no namespace: its binding's subjects are the

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from steps import storage
+from train_data import OPEN_GATE
 from workflows.config import load_config
 from emulator import pods
 from emulator.errors import LocalRunError
@@ -152,8 +153,7 @@ def test_the_whole_dag_runs_in_the_real_image(image, s3_env, tmp_path):
          "--executor", "podman", "--run-dir", str(tmp_path / "run"),
          "--output-dir", str(tmp_path / "outputs"),
          "-p", "download.source=synthetic://?cases=10&shape=64x64x24&seed=3",  # no cache hit
-         "-p", "quantize.max_dice_drop=100", "-p", "quantize.max_class_dice_drop=100",
-         "-p", "quantize.min_agreement=0"],
+         *[arg for gate in OPEN_GATE for arg in ("-p", gate)]],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert s3.secret_key not in proc.stdout + proc.stderr
@@ -186,4 +186,3 @@ def test_the_whole_dag_runs_in_the_real_image(image, s3_env, tmp_path):
     assert report["files"]["openvino"] == "unet2d-int8-openvino.xml"   # the image has it
     assert (quantized / "unet2d-int8-openvino.bin").is_file()
     assert json.loads((tmp_path / "outputs" / "exported" / "parity.json").read_text())["passed"]
-

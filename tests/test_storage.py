@@ -177,6 +177,20 @@ def test_clients_are_reused_per_configuration_but_not_across_fork(monkeypatch):
 
 
 # ---- objects and directories ----------------------------------------------------------------
+def test_a_failed_publish_leaves_no_output_folder_it_made(tmp_path):
+    """Argo's wait container saves an output whose path exists even after the step failed, so
+    a folder that publish made goes again; one that was there (a volume) is only emptied."""
+    for out, existed in ((tmp_path / "made" / "out", False), (tmp_path / "volume", True)):
+        if existed:
+            out.mkdir()
+        with pytest.raises(RuntimeError):
+            with publish(out, "demo", "test", {}) as stage:
+                (stage / "half.bin").write_bytes(b"x")
+                raise RuntimeError("the step failed")
+        assert out.exists() is existed and not (existed and list(out.iterdir()))
+        assert out.parent.is_dir()
+
+
 def test_put_get_exists_list_delete(s3_env):
     base = _uri(s3_env)
     storage.put_bytes(b"one", base + "/x/1")

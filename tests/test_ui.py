@@ -15,12 +15,13 @@ import json
 import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import requests
 
-from real_cluster import ARGO_URL, CFG, NAMESPACE, REQUIRED, cli, kubectl, until, wait
+from real_cluster import ARGO_CA, ARGO_URL, CFG, NAMESPACE, REQUIRED, cli, kubectl, until, wait
 
 try:
     from playwright.sync_api import TimeoutError as NoDialog, sync_playwright
@@ -40,27 +41,47 @@ def _unavailable() -> str:
         return "playwright is not installed (pip install -e '.[dev]')"
     if not CHROMIUM:
         return "Chromium not found: apt-get install chromium-headless-shell (or set UNET_CHROMIUM)"
+    if not shutil.which("certutil"):
+        return "certutil not found: apt-get install libnss3-tools (to trust the server's CA)"
     return ""
 
 
 @pytest.fixture(scope="module")
-def browser():
+def browser(argo, tmp_path_factory):
+    """Chromium for a person who has imported the cluster's CA (cluster/up.sh) into their
+    browser: Chromium on Linux trusts what ``$HOME/.pki/nssdb`` marks as a CA."""
     why = _unavailable()
     if why:
         (pytest.fail if REQUIRED else pytest.skip)(why)
+    home = tmp_path_factory.mktemp("browser-home")
+    nssdb = f"sql:{home}/.pki/nssdb"
+    (home / ".pki" / "nssdb").mkdir(parents=True)
+    for args in (["-N", "--empty-password"],
+                 ["-A", "-t", "C,,", "-n", "unet-cluster argo-server CA", "-i", str(ARGO_CA)]):
+        subprocess.run(["certutil", "-d", nssdb, *args], check=True, capture_output=True)
     with sync_playwright() as playwright:   # Debian's binary: Playwright's download fails here
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM)
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM,
+                                              env={**os.environ, "HOME": str(home)})
         yield chromium
         chromium.close()
 
 
 @pytest.fixture(scope="module")
-def user(browser, argo):
-    """One person's browser profile for the module: the welcome dialogs that Argo shows a
-    first-time visitor (a survey, the version's news) are closed once, as a person would."""
+def user(browser, argo, shots):
+    """One person's browser profile for the module, logged in as the README says: the
+    server runs ``--auth-mode=client``, so the UI sends a visitor without a token to its
+    login page, where they paste ``Bearer <token>`` (here unet-user's, manifests/base/users.yaml).
+    The welcome dialogs that Argo shows a first-time visitor (a survey, the version's news)
+    are closed once, as a person would."""
     context = browser.new_context(base_url=ARGO_URL, viewport={"width": 1440, "height": 900})
     context.set_default_timeout(UI_WAIT_MS)
     page = context.new_page()
+    page.goto(f"/workflows/{NAMESPACE}")
+    page.wait_for_url(re.compile(r"/login"))        # 401 from the API: ui/src/shared/services
+    page.locator("#token").wait_for()
+    page.screenshot(path=shots / "login.png")      # before the token is in it: no secret there
+    page.locator("#token").fill(argo.token)
+    page.locator(".login__token-section a").filter(has_text="Login").click()
     page.goto(f"/workflows/{NAMESPACE}")
     page.locator(".page").first.wait_for()
     for _ in range(3):      # ui/src/modals/modal-switch.tsx: at most one at a time
@@ -90,15 +111,17 @@ def shots(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def published(argo) -> dict:
     """``publish`` as a user runs it; the WorkflowTemplate as the server returns it."""
-    run = cli("publish")
+    run = cli(argo, "publish")
     assert run.returncode == 0, run.stderr
-    return get(f"workflow-templates/{NAMESPACE}/{TEMPLATE}")
-
-
-def get(path: str) -> dict:
-    reply = requests.get(f"{ARGO_URL}/api/v1/{path}", timeout=30)
-    assert reply.ok, f"GET {path}: HTTP {reply.status_code} {reply.text[:300]}"
+    reply = fetch(argo, f"api/v1/workflow-templates/{NAMESPACE}/{TEMPLATE}")
+    assert reply.ok, f"HTTP {reply.status_code} {reply.text[:300]}"
     return reply.json()
+
+
+def fetch(argo, path: str) -> requests.Response:
+    """GET ``path`` from argo server as the logged-in browser does (its cookie, the CA)."""
+    return requests.get(f"{ARGO_URL}/{path}", cookies={"authorization": argo.token},
+                        verify=argo.verify, timeout=60)
 
 
 # ---- what a person does on a page --------------------------------------------------------------
@@ -235,7 +258,7 @@ def test_submit_from_the_form_runs_the_dag_and_the_graph_shows_every_step(page, 
     page.screenshot(path=shots / "dag.png")
 
 
-def test_the_report_and_the_model_open_through_the_artifact_proxy(page, form_run, shots):
+def test_the_report_and_the_model_open_through_the_artifact_proxy(page, form_run, argo, shots):
     """The training report (HTML with its curves) renders from train's ``report`` artifact,
     and the released ONNX model downloads, both through argo server's artifact proxy with the
     repository credentials of the namespace's Secret, as the UI links them."""
@@ -256,8 +279,8 @@ def test_the_report_and_the_model_open_through_the_artifact_proxy(page, form_run
     page.screenshot(path=shots / "report.png", full_page=True)
     convert = next(n for n in form_run["status"]["nodes"].values()
                    if n["displayName"].startswith("convert") and n["type"] == "Pod")
-    model = requests.get(f"{ARGO_URL}/artifact-files/{NAMESPACE}/workflows/{name}/"
-                         f"{convert['id']}/outputs/release/unet2d.onnx", timeout=60)
+    model = fetch(argo, f"artifact-files/{NAMESPACE}/workflows/{name}/{convert['id']}"
+                        "/outputs/release/unet2d.onnx")
     assert model.ok and model.content[:1] == b"\x08", (model.status_code, model.text[:200])
     assert nodes["convert"]["phase"] == "Succeeded"
 
@@ -346,7 +369,6 @@ def test_stop_and_delete_leave_no_pod_behind(page, published, argo, shots):
     toolbar(page, "DELETE")
     confirm(page)
     page.wait_for_url(re.compile(rf"/workflows/{NAMESPACE}/?(\?.*)?$"))
-    until(lambda: requests.get(f"{ARGO_URL}/api/v1/workflows/{NAMESPACE}/{name}",
-                               timeout=30).status_code == 404, 180, "the workflow to go",
-          every=1)
+    until(lambda: fetch(argo, f"api/v1/workflows/{NAMESPACE}/{name}").status_code == 404, 180,
+          "the workflow to go", every=1)
     until(lambda: not pods_of(name), 180, "its pods to go", every=1)

@@ -9,7 +9,9 @@ Environment: ``ARGO_SERVER`` (``host:port``, or a URL with its scheme), ``ARGO_S
 (``false`` means plain http when ARGO_SERVER has no scheme), ``ARGO_TOKEN`` (the
 Authorization value, e.g. ``Bearer ...``; a bare token gets ``Bearer``),
 ``ARGO_NAMESPACE`` (default ``argo``), ``ARGO_INSECURE_SKIP_VERIFY`` and
-``ARGO_BASE_HREF`` (the path prefix of both the API and the UI).
+``ARGO_BASE_HREF`` (the path prefix of both the API and the UI). A server whose certificate
+your own CA signed: ``REQUESTS_CA_BUNDLE`` names that CA's file (requests reads it; the argo
+CLI, in Go, reads ``SSL_CERT_FILE``).
 
 Errors are one line (:class:`ArgoError`) naming the server, the call and the HTTP status;
 the token is never printed.
@@ -68,6 +70,7 @@ class ArgoServer:
     namespace: str = "argo"
     token: str = ""
     verify_tls: bool = True
+    ca_file: str = ""       # the CA that signed the server's certificate; "": the system's
     timeout: float = 30.0
 
     @classmethod
@@ -89,13 +92,19 @@ class ArgoServer:
         return cls(base_url=base, namespace=(env.get("ARGO_NAMESPACE") or "argo").strip(),
                    token=token, verify_tls=not _truthy(env.get("ARGO_INSECURE_SKIP_VERIFY")))
 
+    @property
+    def verify(self) -> bool | str:
+        """requests' ``verify``: False, the CA file, or True (the system's CAs, or
+        ``REQUESTS_CA_BUNDLE``)."""
+        return (self.ca_file or True) if self.verify_tls else False
+
     def ui_link(self, name: str) -> str:
         return f"{self.base_url}/workflows/{self.namespace}/{name}"
 
     def service(self) -> WorkflowsService:
         # The trailing slash keeps ARGO_BASE_HREF: Hera joins "api/v1/..." onto the host.
         return WorkflowsService(host=self.base_url + "/", token=self.token or None,
-                                verify_ssl=self.verify_tls, namespace=self.namespace,
+                                verify_ssl=self.verify, namespace=self.namespace,
                                 session=_TimedSession(self.timeout))
 
     def call(self, what: str, method: Callable[..., Any], *args, **kwargs) -> Any:

