@@ -603,7 +603,7 @@ def test_stopped_download_leaves_nothing_in_its_output(sig, tmp_path):
     assert proc.returncode == 128 + sig, err
     assert "Traceback" not in err
     assert_one_error_line(err, signal.Signals(sig).name)
-    assert raw.is_dir() and not list(raw.iterdir()), sorted(raw.rglob("*"))
+    assert not raw.exists(), sorted(raw.rglob("*"))   # the folder the step made is gone
 
 
 @pytest.mark.slow
