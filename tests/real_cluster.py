@@ -255,11 +255,18 @@ def until(check, timeout: float, what: str, every: float = 2.0):
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def request(method: str, path: str, token: str = "", **kwargs) -> requests.Response:
+    """``method`` on argo server's ``path`` over TLS checked against the cluster's CA, as
+    ``token``'s account, or with what ``kwargs`` carry instead (a browser's cookie)."""
+    headers = {"Authorization": token} if token else {}
+    return requests.request(method, f"{ARGO_URL}/{path}", headers=headers, verify=ARGO_CA,
+                            timeout=60, **kwargs)
+
+
 def api(argo: ArgoServer, verb: str, name: str, body: dict) -> dict:
     """PUT /api/v1/workflows/{ns}/{name}/{verb}: what the UI's Retry and Resubmit send."""
-    reply = requests.put(f"{ARGO_URL}/api/v1/workflows/{argo.namespace}/{name}/{verb}",
-                         json={"name": name, "namespace": argo.namespace, **body}, timeout=60,
-                         headers={"Authorization": argo.token}, verify=argo.verify)
+    reply = request("put", f"api/v1/workflows/{argo.namespace}/{name}/{verb}", argo.token,
+                    json={"name": name, "namespace": argo.namespace, **body})
     assert reply.ok, f"{verb} {name}: HTTP {reply.status_code} {reply.text[:300]}"
     return reply.json()
 

@@ -42,8 +42,8 @@ from emulator.dag import pod_name
 from emulator.runner import run_workflow
 from workflows.s3server import SeaweedServer
 
-from real_cluster import (ARGO_CA, ARGO_URL, BUCKET, CFG, CONTROLLER_NAMESPACE, IMAGE, NAMESPACE,
-                          REPO, api, argo_cli, as_account, cli, compiled, keys, kubectl,
+from real_cluster import (ARGO_URL, BUCKET, CFG, CONTROLLER_NAMESPACE, IMAGE, NAMESPACE, REPO,
+                          api, argo_cli, as_account, cli, compiled, keys, kubectl, request,
                           template, text, token, unique, wait)
 from train_data import OPEN_GATE, STRICT_GATE, WITH_QUANTIZE
 
@@ -240,12 +240,13 @@ def test_manifests_on_the_real_api_server(argo):
 def test_the_server_speaks_tls_signed_by_its_ca_and_wants_a_token(argo):
     """cluster/up.sh: ``--auth-mode=client`` over TLS; the certificate is checked against the
     CA it hands out (the system's CAs do not know it), and a call without a token is a 401."""
-    url = f"{ARGO_URL}/api/v1/workflows/{NAMESPACE}"
+    path = f"api/v1/workflows/{NAMESPACE}"
     with pytest.raises(requests.exceptions.SSLError):
-        requests.get(url, timeout=30)
-    assert requests.get(url, verify=ARGO_CA, timeout=30).status_code == 401
-    assert requests.get(url.replace("https:", "http:"), timeout=30).status_code == 400
-    reply = requests.get(url, verify=ARGO_CA, timeout=30, headers={"Authorization": argo.token})
+        requests.get(f"{ARGO_URL}/{path}", timeout=30)
+    assert requests.get(f"{ARGO_URL.replace('https:', 'http:')}/{path}",
+                        timeout=30).status_code == 400
+    assert request("get", path).status_code == 401
+    reply = request("get", path, argo.token)
     assert reply.status_code == 200, reply.text[:300]
 
 
@@ -258,10 +259,9 @@ def test_a_token_of_another_namespace_is_forbidden_here(argo):
         kubectl("-n", other, "create", "serviceaccount", "team")
         kubectl("-n", other, "create", "rolebinding", "team", "--clusterrole=admin",
                 f"--serviceaccount={other}:team")
-        headers = {"Authorization": token("team", other)}
+        team = token("team", other)
         for namespace, code in ((other, 200), (NAMESPACE, 403)):
-            reply = requests.get(f"{ARGO_URL}/api/v1/workflows/{namespace}", headers=headers,
-                                 verify=ARGO_CA, timeout=30)
+            reply = request("get", f"api/v1/workflows/{namespace}", team)
             assert reply.status_code == code, (namespace, reply.text[:300])
     finally:
         kubectl("delete", "namespace", other, "--wait=false")
@@ -275,9 +275,8 @@ def test_a_read_only_token_reads_but_cannot_submit(first_run, argo):
         viewer.create_workflow(compiled(name=unique("viewer")))
     with pytest.raises(ArgoError, match="HTTP 403"):
         viewer.submit_from_template(CFG.pipeline.model_name, [])
-    reply = requests.put(f"{ARGO_URL}/api/v1/workflows/{NAMESPACE}/{name}/resubmit",
-                         json={"name": name, "namespace": NAMESPACE}, verify=ARGO_CA,
-                         headers={"Authorization": viewer.token}, timeout=60)
+    reply = request("put", f"api/v1/workflows/{NAMESPACE}/{name}/resubmit", viewer.token,
+                    json={"name": name, "namespace": NAMESPACE})
     assert reply.status_code == 403, reply.text[:300]
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from real_cluster import ARGO_CA, ARGO_URL, CFG, NAMESPACE, REQUIRED, cli, kubectl, until, wait
+from real_cluster import (ARGO_CA, ARGO_URL, CFG, NAMESPACE, REQUIRED, cli, kubectl, request,
+                          until, wait)
 
 try:
     from playwright.sync_api import TimeoutError as NoDialog, sync_playwright
@@ -120,8 +121,7 @@ def published(argo) -> dict:
 
 def fetch(argo, path: str) -> requests.Response:
     """GET ``path`` from argo server as the logged-in browser does (its cookie, the CA)."""
-    return requests.get(f"{ARGO_URL}/{path}", cookies={"authorization": argo.token},
-                        verify=argo.verify, timeout=60)
+    return request("get", path, cookies={"authorization": argo.token})
 
 
 # ---- what a person does on a page --------------------------------------------------------------
