@@ -15,7 +15,7 @@ client_minor() { "$1" version --client -o json 2> /dev/null | python -c \
 if command -v kubectl > /dev/null 2>&1; then
   have="$(client_minor kubectl || echo 0)"
   if (( have >= MINOR - 1 && have <= MINOR + 1 )); then
-    kubectl version --client 2> /dev/null | head -n 1
+    kubectl version --client 2> /dev/null | sed -n 1p   # sed reads it all: no SIGPIPE under pipefail
     exit 0
   fi
   echo "kubectl 1.$have on PATH is more than one minor from 1.$MINOR: installing 1.$MINOR in $dest"
