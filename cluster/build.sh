@@ -2,7 +2,7 @@
 # Build the single-node cluster's binaries and images from the Go module proxy and Debian's
 # packages into a version-keyed cache: ~/.cache/unet-cluster/<component>-<version>/.
 # Nothing is built inside this repository. A stage whose folder has .done is skipped.
-#   bash cluster/build.sh [etcd|kubernetes|images|ui|argo|argoexec-image|training-operator ...]
+#   bash cluster/build.sh [etcd|kubernetes|kube-proxy|cni-plugins|coredns|images|ui|argo|argoexec-image|training-operator ...]
 #   (default: all but training-operator, in order; the operator is only for the multi-node tests)
 # Heavy work runs under `nice -n 19`; each stage's wall time and size go to $CACHE/build-times.tsv.
 set -euo pipefail
@@ -40,30 +40,80 @@ build_etcd() {
   "${NICE[@]}" go build -trimpath -ldflags "-s -w" -o "$1/bin/etcd" go.etcd.io/etcd/server/v3
 }
 
-build_kubernetes() {
-  local d="$1" up v tags ldflags
-  new_module "$d" "k8s.io/kubernetes@$K8S_VERSION"
-  # k8s.io/kubernetes requires its staging modules at v0.0.0 with `=> ./staging/...` replaces
-  # (its go.mod), which do not apply here: point each at the published v0.35.x instead.
+# k8s.io/kubernetes as a requirement of a throwaway module in DIR. It requires its staging
+# modules at v0.0.0 with `=> ./staging/...` replaces (its go.mod), which do not apply here:
+# each is pointed at the published v0.35.x instead.
+k8s_module() {  # DIR
+  local up
+  new_module "$1" "k8s.io/kubernetes@$K8S_VERSION"
   up="$(go list -m -f '{{.Dir}}' "k8s.io/kubernetes")"
   sed -n 's#^\s*\(k8s.io/[a-z0-9-]*\) => ./staging/.*#\1#p' "$up/go.mod" | while read -r m; do
     go mod edit -replace "$m=$m@$K8S_STAGING"
   done
-  # Tags and ldflags as hack/lib/golang.sh (selinux,notest,grpcnotrace; -s -w; -trimpath) and
-  # hack/lib/version.sh (both version packages) set them for a release build.
-  tags="selinux,notest,grpcnotrace"
-  v="$K8S_VERSION"; local minor="${v#v1.}"; minor="${minor%%.*}"
-  ldflags="-s -w"
+}
+
+# k8s_build DIR CMD...: Kubernetes commands with the tags and ldflags of a release build
+# (hack/lib/golang.sh: selinux,notest,grpcnotrace; -s -w; -trimpath; hack/lib/version.sh sets
+# both version packages).
+k8s_build() {
+  local d="$1" v="$K8S_VERSION" minor ldflags="-s -w" p; shift
+  minor="${v#v1.}"; minor="${minor%%.*}"
   for p in k8s.io/client-go/pkg/version k8s.io/component-base/version; do
     ldflags+=" -X $p.gitVersion=$v -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
     ldflags+=" -X $p.buildDate=$(date -u +%FT%TZ)"
   done
-  "${NICE[@]}" go build -trimpath -tags "$tags" -ldflags "$ldflags" -o "$d/bin/" \
-    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
-    k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kubeadm
+  "${NICE[@]}" go build -trimpath -tags selinux,notest,grpcnotrace -ldflags "$ldflags" \
+    -o "$d/bin/" "${@/#/k8s.io/kubernetes/cmd/}"
+}
+
+build_kubernetes() {
+  local d="$1" up
+  k8s_module "$d"
+  k8s_build "$d" kube-apiserver kube-controller-manager kube-scheduler kubelet kubeadm
   # The pause binary for the sandbox image, from the module's build/pause/linux/pause.c.
+  up="$(go list -m -f '{{.Dir}}' "k8s.io/kubernetes")"
   "${NICE[@]}" gcc -Os -Wall -Werror -static -DVERSION="v$PAUSE_TAG-unet" \
     -o "$d/bin/pause" "$up/build/pause/linux/pause.c"
+}
+
+build_kube_proxy() {  # the Service proxy (iptables mode), from the same module and version
+  k8s_module "$1"
+  k8s_build "$1" kube-proxy
+}
+
+build_cni_plugins() {
+  # The CNI plugins the node's network uses (cluster/up.sh): bridge, host-local, loopback and
+  # portmap, each its own main package in the module (plugins/main, plugins/ipam, plugins/meta).
+  local p="github.com/containernetworking/plugins/plugins"
+  new_module "$1" "github.com/containernetworking/plugins@$CNI_PLUGINS_VERSION"
+  "${NICE[@]}" go build -trimpath -ldflags "-s -w -X github.com/containernetworking/plugins/pkg/utils/buildversion.BuildVersion=$CNI_PLUGINS_VERSION" \
+    -o "$1/bin/" "$p/main/bridge" "$p/ipam/host-local" "$p/main/loopback" "$p/meta/portmap"
+}
+
+build_coredns() {
+  # CoreDNS's own coremain (what its main package runs) with the plugins of the Corefile that
+  # cluster/up.sh gives it, listed in a main package of this build (a custom build as
+  # plugin.cfg's comments describe, without the cloud providers' SDKs); the order in which
+  # plugins run is coredns's core/dnsserver/zdirectives.go either way. Then its image: the static
+  # binary FROM scratch as CoreDNS's Dockerfile ships it, as a user that is not root.
+  local d="$1" m="github.com/coredns/coredns" p
+  new_module "$d" "$m@$COREDNS_VERSION"
+  {
+    printf 'package main\n\nimport (\n\t"%s/coremain"\n' "$m"
+    for p in errors health ready kubernetes metrics forward cache loop reload loadbalance; do
+      printf '\t_ "%s/plugin/%s"\n' "$m" "$p"
+    done
+    printf ')\n\nfunc main() { coremain.Run() }\n'
+  } > main.go
+  "${NICE[@]}" go mod tidy > /dev/null 2>&1 || "${NICE[@]}" go mod tidy
+  "${NICE[@]}" go build -trimpath -ldflags "-s -w -X $m/coremain.GitCommit=$COREDNS_VERSION" \
+    -o "$d/bin/coredns" .
+  ensure_podman; mkdir -p "$d/ctx"
+  cp "$d/bin/coredns" "$d/ctx/coredns"
+  printf 'FROM scratch\nCOPY coredns /coredns\nUSER 65532:65532\nENTRYPOINT ["/coredns"]\n' > "$d/ctx/Containerfile"
+  podman build -q -t "localhost/unet-cluster/coredns:$COREDNS_VERSION" "$d/ctx" > /dev/null
+  podman save -q -o "$d/coredns.tar" "localhost/unet-cluster/coredns:$COREDNS_VERSION"
+  rm -rf "$d/ctx" "$d/mod"
 }
 
 argo_module() {  # the Argo module's folder in the module cache (downloaded if needed)
@@ -194,7 +244,7 @@ build_argoexec_image() {  # Argo's Dockerfile target `argoexec`, on our Debian b
   rm -rf "$ctx"
 }
 
-stages=("$@"); [[ ${#stages[@]} -gt 0 ]] || stages=(etcd kubernetes images ui argo argoexec-image)
+stages=("$@"); [[ ${#stages[@]} -gt 0 ]] || stages=(etcd kubernetes kube-proxy cni-plugins coredns images ui argo argoexec-image)
 for s in "${stages[@]}"; do
   case "$s" in
     etcd) run_stage etcd "$ETCD_DIR" build_etcd ;;
@@ -203,8 +253,11 @@ for s in "${stages[@]}"; do
     argo) run_stage argo "$(argo_dir)" build_argo ;;
     images) run_stage images "$IMAGES_DIR" build_images ;;
     argoexec-image) run_stage argoexec-image "$CACHE/argoexec-image-$(argo_version)" build_argoexec_image ;;
+    kube-proxy) run_stage kube-proxy "$KUBE_PROXY_DIR" build_kube_proxy ;;
+    cni-plugins) run_stage cni-plugins "$CNI_DIR" build_cni_plugins ;;
+    coredns) run_stage coredns "$COREDNS_DIR" build_coredns ;;
     training-operator) run_stage training-operator "$OPERATOR_DIR" build_training_operator ;;
-    *) die "unknown stage $s (etcd, kubernetes, images, ui, argo, argoexec-image, training-operator)" ;;
+    *) die "unknown stage $s (etcd, kubernetes, kube-proxy, cni-plugins, coredns, images, ui, argo, argoexec-image, training-operator)" ;;
   esac
 done
 log "build: $(du -sh "$CACHE" | cut -f1) in $CACHE"

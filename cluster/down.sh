@@ -28,6 +28,9 @@ ctr_() { ctr --address "$CONTAINERD_SOCK" -n k8s.io "$@"; }
 stop argo-server 3
 stop training-operator 3   # cluster/operator.sh, when it was started
 stop workflow-controller 3
+# No controller may replace the pods deleted below (CoreDNS's Deployment would, at once).
+stop kube-controller-manager
+stop kube-scheduler
 # Let the kubelet tear its pods down itself (containers, sandboxes, CNI DEL), then stop it.
 if alive "$(pid_of kubelet)" && [[ -f "$KUBECONFIG_ADMIN" ]]; then
   log "deleting all pods so that the kubelet removes their containers"
@@ -38,6 +41,7 @@ if alive "$(pid_of kubelet)" && [[ -f "$KUBECONFIG_ADMIN" ]]; then
   done
 fi
 stop kubelet
+stop kube-proxy   # its KUBE-* rules go with the others below
 # Whatever is left: kill and delete each task through containerd (this unmounts its rootfs).
 if alive "$(pid_of containerd)"; then
   for id in $(ctr_ tasks ls -q 2> /dev/null); do
@@ -51,8 +55,6 @@ stop containerd
 for f in "$RUN_DIR"/containerd/io.containerd.runtime.v2.task/*/*/shim.pid; do
   [[ -f "$f" ]] && kill -9 "$(cat "$f")" 2> /dev/null || true
 done
-stop kube-scheduler
-stop kube-controller-manager
 stop kube-apiserver
 stop etcd
 

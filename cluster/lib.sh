@@ -4,6 +4,8 @@ K8S_VERSION="${K8S_VERSION:-v1.35.4}"          # k8s.io/kubernetes (proxy serves
 K8S_STAGING="v0.${K8S_VERSION#v1.}"            # its staging modules, published as v0.35.4
 ETCD_VERSION="${ETCD_VERSION:-v3.6.16}"        # go.etcd.io/etcd/server/v3 (k8s 1.35 pins 3.6.x, build/dependencies.yaml)
 ARGO_VERSION="${ARGO_VERSION:-v4.0.5}"         # github.com/argoproj/argo-workflows/v4 (the newest v4 the proxy serves; v4.1.x: 403)
+CNI_PLUGINS_VERSION="${CNI_PLUGINS_VERSION:-v1.10.0}"   # github.com/containernetworking/plugins
+COREDNS_VERSION="${COREDNS_VERSION:-v1.15.0}"          # github.com/coredns/coredns (the cluster's DNS)
 TRAINING_OPERATOR_VERSION="${TRAINING_OPERATOR_VERSION:-v1.9.3}"  # github.com/kubeflow/training-operator (proxy lists only v1.8.1, serves v1.9.0-v1.9.3 exactly)
 # Argo's UI (cluster/build.sh ui): built with this yarn from the Argo module's own ui/ source.
 # Its one input no registry serves, argo-ui at the commit ui/package.json pins, is vendored
@@ -21,6 +23,12 @@ RUN_DIR="${UNET_CLUSTER_RUN:-/run/unet-cluster}"        # sockets, pid files, co
 LOGS="$STATE/logs"
 POD_LOGS="$STATE/pod-logs"                              # the kubelet's podLogsDir
 CGROUP_ROOT="${UNET_CLUSTER_CGROUP:-unet-cluster}"      # the kubelet's cgroupRoot, in each v1 hierarchy
+# The pod network: a bridge (CNI bridge + host-local) whose address is the pods' gateway, the
+# Service range that kube-proxy serves, and cluster DNS (CoreDNS) at its conventional address.
+BRIDGE=unetcni0
+POD_CIDR=10.244.0.0/24
+SERVICE_CIDR=10.96.0.0/12
+DNS_IP=10.96.0.10
 WEBHOOK_CERTS=/tmp/k8s-webhook-server/serving-certs     # the training operator's, fixed (pkg/cert/cert.go)
 KUBECONFIG_ADMIN="$STATE/pki/admin.conf"
 CONTAINERD_SOCK="$RUN_DIR/containerd/containerd.sock"
@@ -38,10 +46,11 @@ cgroup_hierarchies() {
   done
 }
 # What iptables/ip6tables hold of a Kubernetes node or of ours, in `-S` form, per table: the
-# kubelet's KUBE-* chains and jumps (pkg/kubelet/kubelet_network_linux.go) and the rules with
+# KUBE-* chains and jumps of the kubelet (pkg/kubelet/kubelet_network_linux.go) and kube-proxy
+# (pkg/proxy/iptables/proxier.go), the CNI-* ones of CNI plugins (portmap) and the rules with
 # the comment unet-cluster (up.sh, operator.sh).
 our_rules() {  # IPT TABLE
-  "$1" -t "$2" -S 2> /dev/null | grep -E '^-[AN] KUBE-|-j KUBE-|--comment "?unet-cluster' || true
+  "$1" -t "$2" -S 2> /dev/null | grep -E '^-[AN] (KUBE|CNI)-|-j (KUBE|CNI)-|--comment "?unet-cluster' || true
 }
 IPT_TABLES="filter nat mangle"
 die() { log "ERROR: $*"; exit 1; }
@@ -53,5 +62,8 @@ ui_dir() { echo "$CACHE/argo-ui-$(argo_version)"; }
 argo_dir() { echo "$CACHE/argo-$(argo_version)-ui"; }
 ETCD_DIR="$CACHE/etcd-$ETCD_VERSION"
 K8S_DIR="$CACHE/kubernetes-$K8S_VERSION"
+KUBE_PROXY_DIR="$CACHE/kube-proxy-$K8S_VERSION"
+CNI_DIR="$CACHE/cni-plugins-$CNI_PLUGINS_VERSION"     # bin/{bridge,host-local,loopback,portmap}
+COREDNS_DIR="$CACHE/coredns-$COREDNS_VERSION"          # bin/coredns, coredns.tar (its image)
 OPERATOR_DIR="$CACHE/training-operator-$TRAINING_OPERATOR_VERSION"   # bin/training-operator, crds/, webhook/
 IMAGES_DIR="$CACHE/images-pause$PAUSE_TAG-$DEBIAN_SUITE"   # pause.tar, debian.tar

@@ -41,6 +41,31 @@ wait_for() {
   log "  $desc ready after $(( SECONDS - t0 ))s"
 }
 kc() { kubectl --kubeconfig "$KUBECONFIG_ADMIN" "$@"; }
+# The address of the default route's interface: the node's InternalIP (the kubelet picks the
+# same: pkg/kubelet/nodestatus/setters.go) and the API server's advertised address.
+node_ip() {
+  local dev; dev="$(ip -4 route show default | awk '{print $5; exit}')"
+  ip -4 -o addr show dev "${dev:?no default route}" scope global | awk '{sub("/.*", "", $4); print $4; exit}'
+}
+# guard PORT [IFACE]: drop what reaches PORT from anywhere but loopback (and IFACE, the pods'
+# bridge), in both families. down.sh removes the rules by their comment.
+guard() {
+  local ipt rule
+  for ipt in iptables ip6tables; do
+    rule=(INPUT ! -i lo -p tcp --dport "$1" -m comment --comment unet-cluster -j DROP)
+    "$ipt" -C "${rule[@]}" 2> /dev/null || "$ipt" -I "${rule[@]}"
+    [[ -n "${2:-}" ]] || continue
+    rule=(INPUT -i "$2" -p tcp --dport "$1" -m comment --comment unet-cluster -j ACCEPT)
+    "$ipt" -C "${rule[@]}" 2> /dev/null || "$ipt" -I "${rule[@]}"
+  done
+}
+# sa_kubeconfig NAMESPACE ACCOUNT FILE: a kubeconfig (mode 600) that acts as that ServiceAccount.
+sa_kubeconfig() {
+  (umask 077; cp "$KUBECONFIG_ADMIN" "$3")
+  kubectl --kubeconfig "$3" config set-credentials "$2" \
+    --token="$(kc -n "$1" create token "$2" --duration=48h)" > /dev/null
+  kubectl --kubeconfig "$3" config set-context --current --user="$2" --namespace="$1" > /dev/null
+}
 
 mkdir -p "$STATE" "$RUN_DIR" "$LOGS"
 chmod 700 "$STATE" "$RUN_DIR"
@@ -58,12 +83,12 @@ fi
 need_built "$ETCD_DIR/bin/etcd" "$K/kube-apiserver" "$K/kubeadm"
 if [[ ! -f "$PKI/ca.crt" ]]; then
   log "[1/4] certificates (kubeadm init phase certs/kubeconfig, SANs localhost and 127.0.0.1)"
-  # kubeadm reads a loopback advertiseAddress as "the global address on lo" (RFC 5549 setups;
-  # cmd/kubeadm/app/util/config/initconfiguration.go, SetAPIEndpointDynamicDefaults) and fails
-  # here: "unable to select an IP from lo network interface". So the certificates also name the
-  # host's own address; the API server itself is started with --advertise-address=127.0.0.1
-  # and every kubeconfig is pointed at 127.0.0.1 below.
-  host_ip="$(ip -4 -o addr show scope global | awk 'NR==1{sub("/.*","",$4); print $4}')"
+  # The API server advertises the node's address (pods reach it there through the `kubernetes`
+  # Service); the processes on the node use 127.0.0.1, which the certificate also names, and
+  # every kubeconfig is pointed at it below. (kubeadm cannot take a loopback advertiseAddress:
+  # it reads it as "the global address on lo", cmd/kubeadm/app/util/config/
+  # initconfiguration.go, SetAPIEndpointDynamicDefaults.)
+  host_ip="$(node_ip)"
   cat > "$STATE/kubeadm.yaml" <<EOF
 apiVersion: kubeadm.k8s.io/v1beta4
 kind: InitConfiguration
@@ -104,14 +129,15 @@ wait_for "etcd /health" 60 curl -sf http://127.0.0.1:2381/health
 (( last >= 2 )) || exit 0
 
 # ---- 2. control plane ------------------------------------------------------------------------
-log "[2/4] kube-apiserver $K8S_VERSION on 127.0.0.1:6443"
+log "[2/4] kube-apiserver $K8S_VERSION on :6443 (loopback and the pods' bridge only)"
 # Flags as kubeadm writes them (cmd/kubeadm/app/phases/controlplane/manifests.go,
-# getAPIServerCommand), plus: --endpoint-reconciler-type=none, because the `kubernetes`
-# Endpoints may not hold a loopback address (pkg/apis/core/validation: ValidateNonSpecialIP),
-# and --kubelet-preferred-address-types=Hostname so that logs/exec go to `localhost:10250`.
+# getAPIServerCommand), plus --kubelet-preferred-address-types=Hostname so that logs/exec go to
+# `localhost:10250`. It advertises the node's address, which the `kubernetes` Endpoints then
+# hold (a loopback one is refused there: pkg/apis/core/validation, ValidateNonSpecialIP), and
+# binds every interface; the rules keep it to loopback and the pods' bridge.
+guard 6443 "$BRIDGE"
 start kube-apiserver "$K/kube-apiserver" \
-  --advertise-address=127.0.0.1 --bind-address=127.0.0.1 --secure-port=6443 \
-  --endpoint-reconciler-type=none --allow-privileged=true \
+  --advertise-address="$(node_ip)" --secure-port=6443 --allow-privileged=true \
   --authorization-mode=Node,RBAC --enable-admission-plugins=NodeRestriction \
   --client-ca-file="$PKI/ca.crt" --tls-cert-file="$PKI/apiserver.crt" \
   --tls-private-key-file="$PKI/apiserver.key" \
@@ -125,7 +151,7 @@ start kube-apiserver "$K/kube-apiserver" \
   --requestheader-username-headers=X-Remote-User \
   --service-account-issuer=https://kubernetes.default.svc.cluster.local \
   --service-account-key-file="$PKI/sa.pub" --service-account-signing-key-file="$PKI/sa.key" \
-  --service-cluster-ip-range=10.96.0.0/12
+  --service-cluster-ip-range="$SERVICE_CIDR"
 wait_for "kube-apiserver /readyz" 120 kubectl --kubeconfig "$PKI/super-admin.conf" get --raw /readyz
 # kubeadm init would create this binding; admin.conf's group has no rights without it.
 kubectl --kubeconfig "$PKI/super-admin.conf" create clusterrolebinding kubeadm:cluster-admins \
@@ -151,16 +177,21 @@ wait_for "default ServiceAccount" 60 kc -n default get serviceaccount default
 (( last >= 3 )) || { log "control plane up in $(( $(date +%s) - t_start ))s; KUBECONFIG=$KUBECONFIG_ADMIN"; exit 0; }
 
 # ---- 3. containerd, images, kubelet ------------------------------------------------------------
-need_built "$K/kubelet" "$IMAGES_DIR/pause.tar"
-command -v containerd > /dev/null && [[ -x /usr/lib/cni/bridge ]] \
-  || apt-get install -y -q containerd runc containernetworking-plugins > /dev/null
+need_built "$K/kubelet" "$IMAGES_DIR/pause.tar" "$KUBE_PROXY_DIR/bin/kube-proxy" \
+  "$CNI_DIR/bin/bridge" "$COREDNS_DIR/coredns.tar"
+command -v containerd > /dev/null || apt-get install -y -q containerd runc > /dev/null
 mkdir -p "$STATE/cni/net.d" "$STATE/containerd" "$RUN_DIR/containerd"
-# Its own CNI folder (not podman's /etc/cni/net.d). A bridge without gateway or masquerade: no
-# iptables rule, no route out; only so that the runtime reports NetworkReady.
+# The pod network, in its own CNI folder (not podman's /etc/cni/net.d), with the plugins built
+# from containernetworking/plugins: each pod gets an address on the bridge, which is its
+# default gateway to the node (and so to the Services that kube-proxy routes); hairpin lets a
+# pod reach itself through its Service; portmap serves hostPort. No masquerade: no route out
+# of the machine, and no rule of the bridge plugin's.
 cat > "$STATE/cni/net.d/10-unet.conflist" <<EOF
-{"cniVersion": "0.4.0", "name": "unet-cluster", "plugins": [{"type": "bridge", "bridge": "unetcni0",
-  "isGateway": false, "ipMasq": false, "ipam": {"type": "host-local",
-  "ranges": [[{"subnet": "10.244.0.0/24"}]], "dataDir": "$STATE/cni/ipam"}}]}
+{"cniVersion": "1.0.0", "name": "unet-cluster", "plugins": [
+  {"type": "bridge", "bridge": "$BRIDGE", "isDefaultGateway": true, "hairpinMode": true,
+   "ipMasq": false, "ipam": {"type": "host-local", "ranges": [[{"subnet": "$POD_CIDR"}]],
+   "dataDir": "$STATE/cni/ipam"}},
+  {"type": "portmap", "capabilities": {"portMappings": true}}]}
 EOF
 # containerd 1.6 CRI options (pkg/cri/config/config.go): restrict_oom_score_adj because root lacks
 # CAP_SYS_RESOURCE here; the sandbox image is ours; streaming stays on loopback; pod network
@@ -188,14 +219,15 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         SystemdCgroup = false
         Root = "$RUN_DIR/runc"
   [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "/usr/lib/cni"
+    bin_dir = "$CNI_DIR/bin"
     conf_dir = "$STATE/cni/net.d"
 EOF
 log "[3/4] containerd $(containerd --version | awk '{print $3}') (socket $CONTAINERD_SOCK)"
 start containerd containerd --config "$STATE/containerd.toml"
 ctr_() { ctr --address "$CONTAINERD_SOCK" -n k8s.io "$@"; }
 wait_for "containerd" 60 ctr_ version
-for tar in "$IMAGES_DIR/pause.tar" "$IMAGES_DIR/debian.tar" "$CACHE/argoexec-image-$ARGO_V/argoexec.tar"; do
+for tar in "$IMAGES_DIR/pause.tar" "$IMAGES_DIR/debian.tar" "$COREDNS_DIR/coredns.tar" \
+  "$CACHE/argoexec-image-$ARGO_V/argoexec.tar"; do
   if [[ -f "$tar" ]]; then ctr_ images import "$tar" > /dev/null; fi
 done
 log "  images: $(ctr_ images ls -q | grep -c unet-cluster) loaded ($(ctr_ images ls -q | grep unet-cluster | tr '\n' ' '))"
@@ -217,6 +249,8 @@ containerRuntimeEndpoint: unix://$CONTAINERD_SOCK
 failCgroupV1: false
 cgroupDriver: cgroupfs
 failSwapOn: false
+clusterDNS: [$DNS_IP]
+clusterDomain: cluster.local
 volumePluginDir: $STATE/kubelet-plugins
 # Its own cgroup root and pod log folder: down.sh stops and removes only what is under them.
 cgroupRoot: /$CGROUP_ROOT
@@ -252,6 +286,40 @@ start kubelet "$K/kubelet" --config="$STATE/kubelet.yaml" --kubeconfig="$PKI/kub
   --root-dir="$STATE/kubelet" --hostname-override=localhost --v=1
 wait_for "kubelet /healthz" 90 curl -sf http://127.0.0.1:10248/healthz
 wait_for "node localhost Ready" 120 kc wait --for=condition=Ready node/localhost --timeout=5s
+
+log "[3/4] kube-proxy $K8S_VERSION (iptables) for Services, CoreDNS $COREDNS_VERSION at $DNS_IP"
+# As the ServiceAccount kube-system/kube-proxy with the API server's own system:node-proxier
+# role (what kubeadm's kube-proxy addon binds). It leaves the host's sysctls alone: conntrack
+# sizes and timeouts at 0 mean "do not set" (cmd/kube-proxy/app/server_linux.go,
+# setupConntrack), and no NodePort on loopback means no route_localnet=1
+# (pkg/proxy/iptables/proxier.go, NewProxier); NodePorts only on the pods' bridge. Health and
+# metrics on loopback.
+kc -n kube-system create serviceaccount kube-proxy --dry-run=client -o yaml | kc apply -f - > /dev/null
+kc create clusterrolebinding unet-cluster:kube-proxy --clusterrole=system:node-proxier \
+  --serviceaccount=kube-system:kube-proxy --dry-run=client -o yaml | kc apply -f - > /dev/null
+sa_kubeconfig kube-system kube-proxy "$STATE/kube-proxy.conf"
+cat > "$STATE/kube-proxy.yaml" <<EOF
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+clientConnection: {kubeconfig: $STATE/kube-proxy.conf}
+hostnameOverride: localhost
+mode: iptables
+clusterCIDR: $POD_CIDR
+bindAddress: 127.0.0.1
+healthzBindAddress: 127.0.0.1:10256
+metricsBindAddress: 127.0.0.1:10249
+nodePortAddresses: [$POD_CIDR]
+iptables: {localhostNodePorts: false}
+conntrack: {maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}
+oomScoreAdj: 0
+EOF
+start kube-proxy "$KUBE_PROXY_DIR/bin/kube-proxy" --config="$STATE/kube-proxy.yaml"
+wait_for "kube-proxy /healthz" 60 curl -sf http://127.0.0.1:10256/healthz
+sed -e "s|COREDNS_IMAGE|localhost/unet-cluster/coredns:$COREDNS_VERSION|" -e "s|DNS_IP|$DNS_IP|" \
+  "$here/coredns.yaml" | kc apply -f - > /dev/null
+wait_for "CoreDNS ready" 120 kc -n kube-system rollout status deployment/coredns --timeout=5s
+# A pod on the pod network: its own address, cluster DNS (a Service's name through the search
+# path) and a Service through kube-proxy (the API server's, from the pod's side).
 kc apply -f - > /dev/null <<EOF
 apiVersion: v1
 kind: Pod
@@ -259,8 +327,11 @@ metadata: {name: hello, namespace: default}
 spec:
   restartPolicy: Never
   containers:
-  - {name: hello, image: "localhost/unet-cluster/debian:$DEBIAN_SUITE", imagePullPolicy: Never,
-     command: [sh, -c, 'echo hello from \$(uname -r) as uid \$(id -u)']}
+  - name: hello
+    image: "localhost/unet-cluster/debian:$DEBIAN_SUITE"
+    imagePullPolicy: Never
+    command: [bash, -c, 'getent hosts kubernetes.default | tr -s " " | tr "\n" " " &&
+      exec 3<> /dev/tcp/kubernetes.default/443 && echo "reached from \$(hostname -i) as uid \$(id -u)"']
 EOF
 wait_for "hello pod Succeeded" 120 \
   kc wait --for=jsonpath='{.status.phase}'=Succeeded pod/hello --timeout=5s
@@ -305,19 +376,7 @@ EOF
 # The controller's health server (:6060, cmd/workflow-controller/main.go) and `argo server`
 # (:PORT, server/apiserver/argoserver.go) bind every interface and have no address flag: drop
 # what reaches those ports from anywhere but loopback. down.sh removes the rules by comment.
-for ipt in iptables ip6tables; do
-  for port in 2746 6060 9090; do
-    rule=(INPUT ! -i lo -p tcp --dport "$port" -m comment --comment unet-cluster -j DROP)
-    "$ipt" -C "${rule[@]}" 2> /dev/null || "$ipt" -I "${rule[@]}"
-  done
-done
-# sa_kubeconfig ACCOUNT FILE: a kubeconfig (mode 600) that acts as the ServiceAccount argo/ACCOUNT.
-sa_kubeconfig() {
-  (umask 077; cp "$KUBECONFIG_ADMIN" "$2")
-  kubectl --kubeconfig "$2" config set-credentials "$1" \
-    --token="$(kc -n argo create token "$1" --duration=48h)" > /dev/null
-  kubectl --kubeconfig "$2" config set-context --current --user="$1" --namespace=argo > /dev/null
-}
+for port in 2746 6060 9090; do guard "$port"; done
 # The controller runs as the ServiceAccount argo/argo and `argo server` as argo/argo-server, each
 # with Argo's own install RBAC from the module (manifests/cluster-install-no-crds:
 # workflow-controller-rbac's ClusterRole argo-cluster-role and Role argo-role,
@@ -341,8 +400,8 @@ for account in argo argo-server; do
 done
 kc -n argo create rolebinding argo-binding --role=argo-role --serviceaccount=argo:argo \
   --dry-run=client -o yaml | kc apply -f - > /dev/null
-sa_kubeconfig argo "$STATE/controller.conf"
-sa_kubeconfig argo-server "$STATE/argo-server.conf"
+sa_kubeconfig argo argo "$STATE/controller.conf"
+sa_kubeconfig argo argo-server "$STATE/argo-server.conf"
 # TLS for argo server (--secure, its default): a CA and a server certificate for localhost and
 # 127.0.0.1, made at the first start (or when it expires within a day), in the Secret that the
 # server reads (cmd/argo/commands/server.go --tls-certificate-secret-name,
@@ -426,7 +485,7 @@ SSL_CERT_FILE="$ARGO_PKI/ca.crt" ARGO_SERVER=127.0.0.1:2746 ARGO_HTTP1=true \
   "$ARGO_DIR/bin/argo" -n argo get hello -o name > /dev/null || die "argo server does not list the hello Workflow"
 # Every listener of ours is on loopback, or on a port that the rules above guard.
 open="$(ss -Hltnp | grep -E '"(etcd|kube-[a-z-]*|kubelet|containerd|workflow-contro|argo)"' \
-  | awk '$4 !~ /^(127\.0\.0\.1|\[::1\]):/ && $4 !~ /:(2746|6060|9090)$/' || true)"
+  | awk '$4 !~ /^(127\.0\.0\.1|\[::1\]):/ && $4 !~ /:(6443|2746|6060|9090)$/' || true)"
 [[ -z "$open" ]] || die "listening beyond loopback: $open"
 readable="$(find "$STATE/pki" -type f \( -name '*.key' -o -name '*.conf' \) -perm /o+r; \
   find "$STATE" -maxdepth 1 -type f -name '*.conf' -perm /o+r)"
