@@ -16,10 +16,9 @@ WEBHOOK_PORT=9443
 PID="$RUN_DIR/training-operator.pid"
 # The operator gives every Worker an init container that loops on `nslookup <master>` until the
 # master's Service resolves (pkg/controller.v1/pytorch/initcontainer.go), in alpine:3.10 by
-# default. This cluster has no registry, no cluster DNS and no Service routing (its pods use the
-# host network; the test names the master in hostAliases), so it gets a stand-in image whose
-# `nslookup` asks the pod's /etc/hosts (getent) instead: built from the cluster's Debian base.
-INIT_IMAGE="localhost/unet-cluster/pytorch-init:$DEBIAN_SUITE-1"
+# default. This cluster has no registry, so it gets a stand-in built from the cluster's Debian
+# base whose `nslookup` is `getent hosts`: the pod's own resolver, the cluster's DNS.
+INIT_IMAGE="localhost/unet-cluster/pytorch-init:$DEBIAN_SUITE-2"
 kc() { kubectl --kubeconfig "$KUBECONFIG_ADMIN" "$@"; }
 alive() { [[ -f "$PID" ]] && kill -0 "$(cat "$PID")" 2> /dev/null; }
 
@@ -68,7 +67,7 @@ if ! podman image exists "$INIT_IMAGE"; then
   podman image exists "localhost/unet-cluster/debian:$DEBIAN_SUITE" \
     || podman load -q -i "$IMAGES_DIR/debian.tar" > /dev/null
   ctx="$(mktemp -d)"
-  printf '#!/bin/sh\n# stand-in for cluster DNS: resolve through /etc/hosts (hostAliases)\nexec getent hosts "$1"\n' \
+  printf '#!/bin/sh\n# stand-in for nslookup: resolve with the pod resolver (cluster DNS)\nexec getent hosts "$1"\n' \
     > "$ctx/nslookup"
   printf 'FROM localhost/unet-cluster/debian:%s\nCOPY --chmod=755 nslookup /usr/local/bin/nslookup\n' \
     "$DEBIAN_SUITE" > "$ctx/Containerfile"

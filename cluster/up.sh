@@ -347,11 +347,12 @@ log "[4/4] Argo Workflows $ARGO_V: CRDs, controller, server"
 kc apply --server-side -k "$ARGO_DIR/crds/full" > /dev/null
 wait_for "Argo CRDs Established" 60 kc wait --for=condition=Established crd --all --timeout=5s
 kc create namespace argo --dry-run=client -o yaml | kc apply -f - > /dev/null
-# The controller's ConfigMap (config/config.go): every pod on the host network (no kube-proxy,
-# no cluster DNS) and the executor's init/wait containers told where the API server is
-# (workflow/controller/workflowpod.go appends executor.env to them). Metrics on, as Argo's
-# default, in plain http on :9090 (util/telemetry/exporter_prometheus.go), which binds every
-# interface: the rules below keep it to loopback, where the tests scrape our unet_* series.
+# The controller's ConfigMap (config/config.go). Every pod on the host network, where the
+# project's S3 (a process on the node's loopback) is; with the cluster's DNS all the same
+# (ClusterFirstWithHostNet), so that Service names resolve in them as in a pod on the pod
+# network, and the `kubernetes` Service reaches the API server through kube-proxy. Metrics on,
+# as Argo's default, in plain http on :9090 (util/telemetry/exporter_prometheus.go), which binds
+# every interface: the rules below keep it to loopback, where the tests scrape our unet_* series.
 kc apply -f - > /dev/null <<EOF
 apiVersion: v1
 kind: ConfigMap
@@ -360,12 +361,9 @@ data:
   workflowDefaults: |
     spec:
       hostNetwork: true
-      dnsPolicy: Default
+      dnsPolicy: ClusterFirstWithHostNet
   executor: |
     imagePullPolicy: IfNotPresent
-    env:
-    - {name: KUBERNETES_SERVICE_HOST, value: 127.0.0.1}
-    - {name: KUBERNETES_SERVICE_PORT, value: "6443"}
   metricsConfig: |
     enabled: true
     port: 9090

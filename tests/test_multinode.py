@@ -271,19 +271,17 @@ def operator(cluster):
 
 def on_this_cluster(doc: dict, worker: dict | None = None) -> dict:
     """The compiled multi-node Workflow, with the job's pods on the host network as the Argo
-    pods are here (no kube-proxy, no cluster DNS: the S3 endpoint is on loopback, and the
-    operator's MASTER_ADDR, the master's Service name, resolves through hostAliases). Only the
-    pods' network is changed; the job, its policies and the DAG are as compiled. The operator
-    gives every replica without a ``pytorchjob-port`` the default 23456 (v1/pytorch_defaults.go
-    setPyTorchDefaultPort), which on one host network makes the worker unschedulable ("didn't
-    have free ports"): the worker names another; MASTER_PORT is the master's either way."""
+    pods are here (the S3 endpoint is on the node's loopback) but with the cluster's DNS
+    (ClusterFirstWithHostNet): the operator's MASTER_ADDR, the name of the master's headless
+    Service, resolves through CoreDNS to the master pod. Only the pods' network is changed; the
+    job, its policies and the DAG are as compiled. The operator gives every replica without a
+    ``pytorchjob-port`` the default 23456 (v1/pytorch_defaults.go setPyTorchDefaultPort), which
+    on one host network makes the worker unschedulable ("didn't have free ports"): the worker
+    names another; MASTER_PORT is the master's either way."""
     tmpl = template(doc, "train")
     job = yaml.safe_load(tmpl["resource"]["manifest"])
-    master = f"{multinode.job_name()}-master-0"
     for spec in job["spec"]["pytorchReplicaSpecs"].values():
-        pod = spec["template"]["spec"]
-        pod.update(hostNetwork=True, dnsPolicy="Default",
-                   hostAliases=[{"ip": "127.0.0.1", "hostnames": [master]}])
+        spec["template"]["spec"].update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
     worker_pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     worker_pod["containers"][0]["ports"] = [{"name": "pytorchjob-port",
                                              "containerPort": multinode.MASTER_PORT + 1}]
