@@ -18,7 +18,7 @@ run_stage() {
   log "$name: building into $dir"
   rm -rf "$dir"; mkdir -p "$dir/bin"
   t0=$(date +%s)
-  "$fn" "$dir"
+  (cd "$dir" && "$fn" "$dir")   # a subshell: a stage's cd or removed folder cannot leak into the next
   touch "$dir/.done"
   local secs=$(( $(date +%s) - t0 ))
   printf '%s\t%s\t%ss\t%s\t%s\n' "$(date -u +%FT%TZ)" "$name" "$secs" "$(du -sh "$dir" | cut -f1)" \
@@ -113,7 +113,7 @@ build_coredns() {
   printf 'FROM scratch\nCOPY coredns /coredns\nUSER 65532:65532\nENTRYPOINT ["/coredns"]\n' > "$d/ctx/Containerfile"
   podman build -q -t "localhost/unet-cluster/coredns:$COREDNS_VERSION" "$d/ctx" > /dev/null
   podman save -q -o "$d/coredns.tar" "localhost/unet-cluster/coredns:$COREDNS_VERSION"
-  rm -rf "$d/ctx" "$d/mod"
+  rm -rf "$d/ctx"
 }
 
 argo_module() {  # the Argo module's folder in the module cache (downloaded if needed)
