@@ -347,10 +347,8 @@ log "[4/4] Argo Workflows $ARGO_V: CRDs, controller, server"
 kc apply --server-side -k "$ARGO_DIR/crds/full" > /dev/null
 wait_for "Argo CRDs Established" 60 kc wait --for=condition=Established crd --all --timeout=5s
 kc create namespace argo --dry-run=client -o yaml | kc apply -f - > /dev/null
-# The controller's ConfigMap (config/config.go). Every pod on the host network, where the
-# project's S3 (a process on the node's loopback) is; with the cluster's DNS all the same
-# (ClusterFirstWithHostNet), so that Service names resolve in them as in a pod on the pod
-# network, and the `kubernetes` Service reaches the API server through kube-proxy. Metrics on,
+# The controller's ConfigMap (config/config.go): no workflow defaults (every pod on the pod
+# network; the executor reaches the API server through the `kubernetes` Service). Metrics on,
 # as Argo's default, in plain http on :9090 (util/telemetry/exporter_prometheus.go), which binds
 # every interface: the rules below keep it to loopback, where the tests scrape our unet_* series.
 kc apply -f - > /dev/null <<EOF
@@ -358,10 +356,6 @@ apiVersion: v1
 kind: ConfigMap
 metadata: {name: workflow-controller-configmap, namespace: argo}
 data:
-  workflowDefaults: |
-    spec:
-      hostNetwork: true
-      dnsPolicy: ClusterFirstWithHostNet
   executor: |
     imagePullPolicy: IfNotPresent
   metricsConfig: |

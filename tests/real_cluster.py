@@ -22,11 +22,12 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
+from botocore.exceptions import BotoCoreError, ClientError
 
 from workflows.argo import ArgoServer
 from workflows.config import load_config
 from emulator import pods
-from workflows.s3server import SeaweedServer, find_weed
+from workflows.s3server import SeaweedServer, find_weed, path_style_client
 from workflows.unet import build
 
 REPO = Path(__file__).resolve().parents[1]
@@ -142,19 +143,93 @@ def kubectl(*args: str, stdin: str | None = None, check: bool = True) -> str:
     return run.stdout if check else run.stdout + run.stderr
 
 
+S3_NAMESPACE = "unet-s3"   # the cluster's S3, in a namespace of its own as a user's would be
+S3_PORT = 9000             # containers/seaweedfs/entrypoint.sh
+S3_READY = "/tmp/unet-s3-ready"
+
+
+class ClusterS3:
+    """The cluster's S3: SeaweedFS from the project's own image (containers/seaweedfs, the one
+    docker-compose runs) as a Deployment behind the Service ``s3``. Pods, ``argo server`` and
+    the tests on the node reach it at the Service's address, through kube-proxy."""
+
+    def __init__(self, address: str, access_key: str, secret_key: str):
+        self.address, self.access_key, self.secret_key = address, access_key, secret_key
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.address}"
+
+    def client(self, **config):
+        return path_style_client(self.endpoint, self.access_key, self.secret_key, **config)
+
+
+def s3_objects(image: str, access_key: str, secret_key: str) -> list[dict]:
+    """The S3 server's namespace (Pod Security ``restricted``), keys, Deployment and Service."""
+    labels = {"app": "s3"}
+    pod = {"securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000,
+                               "seccompProfile": {"type": "RuntimeDefault"}},
+           "containers": [{
+               "name": "s3", "image": image, "imagePullPolicy": "Never",
+               "env": [{"name": "BUCKET", "value": BUCKET}],
+               "envFrom": [{"secretRef": {"name": "s3-keys"}}],
+               "ports": [{"name": "s3", "containerPort": S3_PORT}],
+               "readinessProbe": {"exec": {"command": ["test", "-f", S3_READY]},
+                                  "periodSeconds": 1},
+               "securityContext": {"allowPrivilegeEscalation": False,
+                                   "capabilities": {"drop": ["ALL"]}},
+               "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
+           "volumes": [{"name": "data", "emptyDir": {}}]}
+    meta = {"namespace": S3_NAMESPACE}
+    return [
+        {"apiVersion": "v1", "kind": "Namespace",
+         "metadata": {"name": S3_NAMESPACE,
+                      "labels": {"pod-security.kubernetes.io/enforce": "restricted"}}},
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-keys", **meta},
+         "stringData": {"AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key}},
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "s3", **meta},
+         "spec": {"replicas": 1, "selector": {"matchLabels": labels},
+                  "template": {"metadata": {"labels": labels}, "spec": pod}}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s3", **meta},
+         "spec": {"selector": labels, "ports": [{"name": "s3", "port": S3_PORT,
+                                                  "targetPort": "s3"}]}}]
+
+
 @pytest.fixture(scope="session")
-def store(cluster, tmp_path_factory):
-    """The cluster's S3: SeaweedFS on loopback, which host-network pods reach."""
-    server = SeaweedServer(tmp_path_factory.mktemp("cluster-s3"), buckets=[BUCKET]).start()
+def store(cluster):
+    """The cluster's S3 (:class:`ClusterS3`), started empty: its image built by
+    containers/podman/build-s3.sh and loaded into the cluster's containerd."""
+    built = subprocess.run(["bash", str(REPO / "containers" / "podman" / "build-s3.sh")],
+                           capture_output=True, text=True, timeout=900)
+    assert built.returncode == 0, f"build-s3.sh: {_last_lines(built.stderr)}"
+    image = built.stdout.strip().splitlines()[-1]
+    load = _script("load-image.sh", image, timeout=600)
+    assert load.returncode == 0, f"cluster/load-image.sh: {_last_lines(load.stderr)}"
+    kubectl("delete", "namespace", S3_NAMESPACE, "--ignore-not-found", "--timeout=120s")
+    server = ClusterS3("", "AK" + secrets.token_hex(8).upper(), secrets.token_urlsafe(30))
+    objects = s3_objects(image, server.access_key, server.secret_key)
+    kubectl("apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List",
+                                                   "items": objects}))
+    kubectl("-n", S3_NAMESPACE, "rollout", "status", "deployment/s3", "--timeout=300s")
+    ip = kubectl("-n", S3_NAMESPACE, "get", "service", "s3", "-o", "jsonpath={.spec.clusterIP}")
+    server.address = f"{ip}:{S3_PORT}"
+    until(lambda: _has_bucket(server), 60, f"bucket {BUCKET} at {server.endpoint}", every=1)
     yield server
-    server.stop(grace=0)
+
+
+def _has_bucket(server: ClusterS3) -> bool:
+    """Whether the bucket answers yet (kube-proxy programs a new endpoint within a second)."""
+    try:
+        server.client().head_bucket(Bucket=BUCKET)
+        return True
+    except (BotoCoreError, ClientError):
+        return False
 
 
 def overlay(root: Path, endpoint: str) -> Path:
-    """A kustomization on top of manifests/base for this cluster: its S3 on the node's
-    loopback, and Pod Security "privileged" because its pods use the host network (no
-    kube-proxy, no cluster DNS, no route from the pod network to loopback), which "baseline"
-    forbids. The overlays of manifests/ are checked by a server-side dry run instead."""
+    """A kustomization on top of manifests/base for this cluster: its S3 at ``endpoint``; the
+    namespace as the base declares it (Pod Security ``baseline``). The overlays of manifests/
+    are checked by a server-side dry run instead."""
     host = endpoint.removeprefix("http://")
     repo = {"bucket": BUCKET, "endpoint": host, "insecure": True, "region": "us-east-1",
             "accessKeySecret": {"name": "unet-s3-credentials", "key": "accessKey"},
@@ -168,11 +243,7 @@ def overlay(root: Path, endpoint: str) -> Path:
              "patch": json.dumps([{"op": "add", "path": "/data/endpoint", "value": endpoint}])},
             {"target": {"kind": "ConfigMap", "name": "artifact-repositories"},
              "patch": json.dumps([{"op": "replace", "path": "/data/default-v1",
-                                   "value": yaml.safe_dump({"archiveLogs": True, "s3": repo})}])},
-            {"target": {"kind": "Namespace", "name": NAMESPACE},
-             "patch": json.dumps([{"op": "replace", "path": "/metadata/labels/"
-                                   "pod-security.kubernetes.io~1enforce",
-                                   "value": "privileged"}])}]}
+                                   "value": yaml.safe_dump({"archiveLogs": True, "s3": repo})}])}]}
     root.mkdir(parents=True, exist_ok=True)
     (root / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
     return root
@@ -281,6 +352,13 @@ def cli(argo: ArgoServer, *args: str, timeout: float = WAIT_S + 60) -> subproces
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def setting(name: str) -> str:
+    """A plain setting of cluster/lib.sh: ``NAME=value``."""
+    found = re.search(rf"^{name}=(\S+)$", (CLUSTER / "lib.sh").read_text(), re.M)
+    assert found, f"cluster/lib.sh sets no {name}"
+    return found.group(1)
+
+
 def pin(name: str) -> str:
     """A version pinned in cluster/lib.sh: ``NAME="${NAME:-vX.Y.Z}"``."""
     found = re.search(rf'^{name}="\$\{{{name}:-(v[0-9.]+)\}}"',
@@ -300,11 +378,11 @@ def argo_cli(argo: ArgoServer, *args: str, timeout: float = 120) -> subprocess.C
                           timeout=timeout)
 
 
-def keys(server: SeaweedServer, prefix: str) -> list[str]:
+def keys(server: SeaweedServer | ClusterS3, prefix: str) -> list[str]:
     pages = server.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET,
                                                                        Prefix=prefix)
     return [o["Key"] for page in pages for o in page.get("Contents", [])]
 
 
-def text(server: SeaweedServer, key: str) -> str:
+def text(server: SeaweedServer | ClusterS3, key: str) -> str:
     return server.client().get_object(Bucket=BUCKET, Key=key)["Body"].read().decode()

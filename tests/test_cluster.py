@@ -24,6 +24,7 @@ checkout (while steps/ changes); comparisons with the emulator may then differ.
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -43,8 +44,8 @@ from emulator.runner import run_workflow
 from workflows.s3server import SeaweedServer
 
 from real_cluster import (ARGO_URL, BUCKET, CFG, CONTROLLER_NAMESPACE, IMAGE, NAMESPACE, REPO,
-                          api, argo_cli, as_account, cli, compiled, keys, kubectl, request,
-                          template, text, token, unique, wait)
+                          S3_NAMESPACE, S3_PORT, api, argo_cli, as_account, cli, compiled, keys,
+                          kubectl, request, setting, template, text, token, unique, wait)
 from train_data import OPEN_GATE, STRICT_GATE, WITH_QUANTIZE
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -305,6 +306,23 @@ def first_run(argo, store) -> dict:
     return {**argo.get_workflow(name), "wall_s": time.monotonic() - start}
 
 
+def test_the_steps_ran_on_the_pod_network_under_baseline(first_run, store):
+    """The run's pods had addresses on the pod network, none the node's, in a namespace that
+    enforces Pod Security ``baseline`` as manifests/base declares; their S3 was the Service."""
+    name = first_run["metadata"]["name"]
+    pods = json.loads(kubectl("-n", NAMESPACE, "get", "pods", "-o", "json", "-l",
+                              f"workflows.argoproj.io/workflow={name}"))["items"]
+    assert len(pods) >= 4, [p["metadata"]["name"] for p in pods]
+    pod_network = ipaddress.ip_network(setting("POD_CIDR"))
+    for pod in pods:
+        assert not pod["spec"].get("hostNetwork"), pod["metadata"]["name"]
+        assert ipaddress.ip_address(pod["status"]["podIP"]) in pod_network, pod["status"]
+    labels = json.loads(kubectl("get", "namespace", NAMESPACE, "-o", "json"))["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "baseline"
+    address = kubectl("-n", S3_NAMESPACE, "get", "service", "s3", "-o", "jsonpath={.spec.clusterIP}")
+    assert store.endpoint == f"http://{address}:{S3_PORT}"
+
+
 def test_publish_and_submit_run_the_dag_in_the_real_image(first_run, argo, store,
                                                           local_store, tmp_path):
     wf = first_run
@@ -439,7 +457,8 @@ def test_a_missed_int8_gate_fails_the_workflow_and_keeps_the_fp32_release(argo, 
                                                                          local_store, tmp_path):
     """docs/operations.md on the real controller: quantize runs (its ``when:`` true), misses
     the strictest gate, exits 2 with the gate's line as its message, is not retried and
-    publishes nothing; the workflow fails and convert's FP32 release stays."""
+    publishes nothing; the workflow fails and convert's FP32 release stays. A retry that
+    restarts the succeeded convert runs it and quantize again and keeps the rest."""
     name = unique("missed-gate")
     wf, local = both(argo, compiled(WITH_QUANTIZE, *STRICT_GATE, name=name), local_store,
                      tmp_path)
@@ -457,6 +476,21 @@ def test_a_missed_int8_gate_fails_the_workflow_and_keeps_the_fp32_release(argo, 
     released = keys(store, release)
     assert f"{release}unet2d.onnx" in released and not any("/int8/" in k for k in released)
     assert_agree(wf, local)
+    # `argo retry --restart-successful --node-field-selector templateName=convert`: the
+    # succeeded convert runs again, and quantize after it; what convert depends on is kept
+    # (workflow/util/util.go FormulateRetryWorkflow, getNodeIDsToReset).
+    api(argo, "retry", name, {"restartSuccessful": True,
+                              "nodeFieldSelector": "templateName=convert"})
+    time.sleep(3)
+    again = wait(argo, name)
+    started = {when: {n["displayName"]: n["startedAt"] for n in w["status"]["nodes"].values()}
+               for when, w in (("before", wf), ("after", again))}
+    for task in ("download", "preprocess", "train"):
+        assert started["after"][task] == started["before"][task], task
+    for task in ("convert", "quantize"):
+        assert started["after"][task] > started["before"][task], task
+    table = argo_nodes(again)
+    assert table["convert"]["phase"] == "Succeeded" and table["quantize"]["exit_codes"] == [2]
 
 
 def test_publish_again_updates_and_submit_from_template_runs_it(first_run, argo, store):
@@ -508,6 +542,30 @@ def test_the_controller_exports_our_metrics(first_run):
 
 
 # ---- 4. the emulator against the controller: the remaining fault scenarios -----------------
+MAX_AGE_S = 90   # longer than download and preprocess of the small source take here
+
+
+def test_a_memo_entry_older_than_max_age_is_not_used(argo):
+    """``memoize.maxAge`` on the real controller: an entry created longer ago than maxAge is a
+    miss (workflow/controller/operator.go; cache/cache.go GetOutputsWithMaxAge). A run right
+    after the first hits both entries; one after they have aged runs both steps again."""
+    overrides = (f"memoize.max_age={MAX_AGE_S}s",
+                 f"download.source=synthetic://?cases=4&shape=32x32x16&seed={os.getpid()}")
+
+    def memo_hits() -> list[bool]:
+        doc = compiled(*overrides, name=unique("max-age"), tasks=("download", "preprocess"))
+        wf = wait(argo, argo.create_workflow(doc)["metadata"]["name"])
+        assert wf["status"]["phase"] == "Succeeded", wf["status"].get("message")
+        table = argo_nodes(wf)
+        return [table[task]["memoized"] for task in ("download", "preprocess")]
+
+    assert memo_hits() == [False, False]
+    made = time.monotonic()           # both entries were created before this
+    assert memo_hits() == [True, True]
+    time.sleep(max(0.0, MAX_AGE_S + 5 - (time.monotonic() - made)))
+    assert memo_hits() == [False, False]
+
+
 def test_a_memo_hit_whose_artifacts_are_gone_agrees(argo, store, local_store, tmp_path):
     """A cache entry outlives its artifacts: the hit is taken, and the consumer's input fails
     to load in every attempt. A source of its own keeps the entry out of other tests."""

@@ -269,23 +269,13 @@ def operator(cluster):
     return version
 
 
-def on_this_cluster(doc: dict, worker: dict | None = None) -> dict:
-    """The compiled multi-node Workflow, with the job's pods on the host network as the Argo
-    pods are here (the S3 endpoint is on the node's loopback) but with the cluster's DNS
-    (ClusterFirstWithHostNet): the operator's MASTER_ADDR, the name of the master's headless
-    Service, resolves through CoreDNS to the master pod. Only the pods' network is changed; the
-    job, its policies and the DAG are as compiled. The operator gives every replica without a
-    ``pytorchjob-port`` the default 23456 (v1/pytorch_defaults.go setPyTorchDefaultPort), which
-    on one host network makes the worker unschedulable ("didn't have free ports"): the worker
-    names another; MASTER_PORT is the master's either way."""
+def with_worker(doc: dict, worker: dict) -> dict:
+    """Fault injection: ``worker`` merged into the PyTorchJob's Worker pod spec (the hung-job
+    test's node selector that no node matches). The job is otherwise as compiled: its pods on
+    the pod network, MASTER_ADDR (the master's headless Service) resolved by CoreDNS."""
     tmpl = template(doc, "train")
     job = yaml.safe_load(tmpl["resource"]["manifest"])
-    for spec in job["spec"]["pytorchReplicaSpecs"].values():
-        spec["template"]["spec"].update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
-    worker_pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
-    worker_pod["containers"][0]["ports"] = [{"name": "pytorchjob-port",
-                                             "containerPort": multinode.MASTER_PORT + 1}]
-    worker_pod.update(worker or {})
+    job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"].update(worker)
     tmpl["resource"]["manifest"] = yaml.safe_dump(job, sort_keys=False, width=1000)
     return doc
 
@@ -308,9 +298,17 @@ def nodes(wf: dict, task: str) -> list[dict]:
                   key=lambda n: n["displayName"])
 
 
+def exit_handler(wf: dict) -> dict:
+    """The node of the Workflow's onExit handler (Argo names it ``<workflow>.onExit``)."""
+    name = wf["metadata"]["name"]
+    return next(n for n in wf["status"]["nodes"].values() if n["displayName"] == f"{name}.onExit")
+
+
 def submit(argo, *overrides: str, tasks=("download", "preprocess", "share-dataset", "train",
                                          "collect-model"), worker: dict | None = None) -> str:
-    doc = on_this_cluster(compiled(*MULTI, *overrides, name=unique("mn"), tasks=tasks), worker)
+    doc = compiled(*MULTI, *overrides, name=unique("mn"), tasks=tasks)
+    if worker:
+        doc = with_worker(doc, worker)
     return argo.create_workflow(doc)["metadata"]["name"]
 
 
@@ -376,6 +374,7 @@ def test_bad_input_fails_once_with_the_step_line(operator, argo, store):
     assert len(collect) == 1 and collect[0]["outputs"]["exitCode"] == "2"
     line = text(store, f"{name}/shared/model/{handoff.REFUSAL}").strip()
     assert line.startswith("error: --fold 4")
+    assert exit_handler(wf)["phase"] == "Succeeded"    # onExit ran after the failure
     until(lambda: not job_pods(name) and not jobs(name), 120, "no pod and no job left")
 
 
@@ -387,9 +386,7 @@ def test_argo_stop_deletes_the_job_and_its_pods(operator, argo, store):
     api(argo, "stop", name, {})     # what `argo stop` and the UI's Stop send
     wf = wait(argo, name, timeout=600)
     assert wf["status"]["phase"] == "Failed"
-    exit_node = next(n for n in wf["status"]["nodes"].values()
-                     if n["displayName"] == f"{name}.onExit")
-    assert exit_node["phase"] == "Succeeded"
+    assert exit_handler(wf)["phase"] == "Succeeded"
     assert not job_pods(name) and not jobs(name)
 
 

@@ -84,6 +84,15 @@ def free_ports(count: int, host: str = HOST) -> list[int]:
             sock.close()
 
 
+def path_style_client(endpoint: str, access_key: str, secret_key: str, region: str = REGION,
+                      **config):
+    """A boto3 S3 client for the server at ``endpoint`` (path-style addressing), with
+    steps.storage's protocol fixes but none of its retries or error translation."""
+    return harden(session_client(
+        endpoint_url=endpoint, region_name=region, aws_access_key_id=access_key,
+        aws_secret_access_key=secret_key, config=Config(s3={"addressing_style": "path"}, **config)))
+
+
 def _die_with_parent() -> None:
     """In the child before exec: get SIGKILL when the parent dies (Linux), so no orphans."""
     try:
@@ -140,13 +149,9 @@ class SeaweedServer:
                 "AWS_SECRET_ACCESS_KEY": self.secret_key, "AWS_REGION": self.region}
 
     def client(self, secret_key: str | None = None, **config):
-        """A boto3 S3 client for this server (``secret_key`` overrides, for tests), with
-        steps.storage's protocol fixes but none of its retries or error translation."""
-        return harden(session_client(
-            endpoint_url=self.endpoint, region_name=self.region,
-            aws_access_key_id=self.access_key,
-            aws_secret_access_key=secret_key or self.secret_key,
-            config=Config(s3={"addressing_style": "path"}, **config)))
+        """A boto3 S3 client for this server (``secret_key`` overrides, for tests)."""
+        return path_style_client(self.endpoint, self.access_key, secret_key or self.secret_key,
+                                 self.region, **config)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def _write_identities(self) -> Path:
