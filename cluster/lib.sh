@@ -53,6 +53,18 @@ our_rules() {  # IPT TABLE
   "$1" -t "$2" -S 2> /dev/null | grep -E '^-[AN] (KUBE|CNI)-|-j (KUBE|CNI)-|--comment "?unet-cluster' || true
 }
 IPT_TABLES="filter nat mangle"
+# guard PORT [IFACE]: drop what reaches PORT from anywhere but loopback (and IFACE, the pods'
+# bridge), in both families (up.sh, operator.sh). down.sh removes the rules by their comment.
+guard() {
+  local ipt rule
+  for ipt in iptables ip6tables; do
+    rule=(INPUT ! -i lo -p tcp --dport "$1" -m comment --comment unet-cluster -j DROP)
+    "$ipt" -C "${rule[@]}" 2> /dev/null || "$ipt" -I "${rule[@]}"
+    [[ -n "${2:-}" ]] || continue
+    rule=(INPUT -i "$2" -p tcp --dport "$1" -m comment --comment unet-cluster -j ACCEPT)
+    "$ipt" -C "${rule[@]}" 2> /dev/null || "$ipt" -I "${rule[@]}"
+  done
+}
 die() { log "ERROR: $*"; exit 1; }
 
 argo_version() { echo "$ARGO_VERSION"; }   # one pin, no guessing: what ran is what is cached

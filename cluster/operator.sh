@@ -58,10 +58,7 @@ kc -n "$NS" get secret "$SECRET" > /dev/null 2>&1 || kc -n "$NS" create secret g
 
 # The webhook server binds every interface (main.go sets only its port): loopback only, as
 # up.sh guards Argo's ports; down.sh removes rules with this comment.
-for ipt in iptables ip6tables; do
-  rule=(INPUT ! -i lo -p tcp --dport "$WEBHOOK_PORT" -m comment --comment unet-cluster -j DROP)
-  "$ipt" -C "${rule[@]}" 2> /dev/null || "$ipt" -I "${rule[@]}"
-done
+guard "$WEBHOOK_PORT"
 
 if ! podman image exists "$INIT_IMAGE"; then
   podman image exists "localhost/unet-cluster/debian:$DEBIAN_SUITE" \

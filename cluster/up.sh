@@ -47,18 +47,6 @@ node_ip() {
   local dev; dev="$(ip -4 route show default | awk '{print $5; exit}')"
   ip -4 -o addr show dev "${dev:?no default route}" scope global | awk '{sub("/.*", "", $4); print $4; exit}'
 }
-# guard PORT [IFACE]: drop what reaches PORT from anywhere but loopback (and IFACE, the pods'
-# bridge), in both families. down.sh removes the rules by their comment.
-guard() {
-  local ipt rule
-  for ipt in iptables ip6tables; do
-    rule=(INPUT ! -i lo -p tcp --dport "$1" -m comment --comment unet-cluster -j DROP)
-    "$ipt" -C "${rule[@]}" 2> /dev/null || "$ipt" -I "${rule[@]}"
-    [[ -n "${2:-}" ]] || continue
-    rule=(INPUT -i "$2" -p tcp --dport "$1" -m comment --comment unet-cluster -j ACCEPT)
-    "$ipt" -C "${rule[@]}" 2> /dev/null || "$ipt" -I "${rule[@]}"
-  done
-}
 # sa_kubeconfig NAMESPACE ACCOUNT FILE: a kubeconfig (mode 600) that acts as that ServiceAccount.
 sa_kubeconfig() {
   (umask 077; cp "$KUBECONFIG_ADMIN" "$3")

@@ -206,13 +206,13 @@ def store(cluster):
     load = _script("load-image.sh", image, timeout=600)
     assert load.returncode == 0, f"cluster/load-image.sh: {_last_lines(load.stderr)}"
     kubectl("delete", "namespace", S3_NAMESPACE, "--ignore-not-found", "--timeout=120s")
-    server = ClusterS3("", "AK" + secrets.token_hex(8).upper(), secrets.token_urlsafe(30))
-    objects = s3_objects(image, server.access_key, server.secret_key)
+    access_key, secret_key = "AK" + secrets.token_hex(8).upper(), secrets.token_urlsafe(30)
     kubectl("apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List",
-                                                   "items": objects}))
+                                                   "items": s3_objects(image, access_key,
+                                                                       secret_key)}))
     kubectl("-n", S3_NAMESPACE, "rollout", "status", "deployment/s3", "--timeout=300s")
     ip = kubectl("-n", S3_NAMESPACE, "get", "service", "s3", "-o", "jsonpath={.spec.clusterIP}")
-    server.address = f"{ip}:{S3_PORT}"
+    server = ClusterS3(f"{ip}:{S3_PORT}", access_key, secret_key)
     until(lambda: _has_bucket(server), 60, f"bucket {BUCKET} at {server.endpoint}", every=1)
     yield server
 
