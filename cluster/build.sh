@@ -2,7 +2,7 @@
 # Build the single-node cluster's binaries and images from the Go module proxy and Debian's
 # packages into a version-keyed cache: ~/.cache/unet-cluster/<component>-<version>/.
 # Nothing is built inside this repository. A stage whose folder has .done is skipped.
-#   bash cluster/build.sh [etcd|kubernetes|kube-proxy|cni-plugins|coredns|images|ui|argo|argoexec-image|training-operator ...]
+#   bash cluster/build.sh [etcd|kubernetes|kube-proxy|cni-plugins|coredns|images|ui|argo|argo-images|training-operator|training-operator-image ...]
 #   (default: all but training-operator, in order; the operator is only for the multi-node tests)
 # Heavy work runs under `nice -n 19`; each stage's wall time and size go to $CACHE/build-times.tsv.
 set -euo pipefail
@@ -189,23 +189,35 @@ build_argo() {
   cd "$src"
   "${NICE[@]}" go build -trimpath -tags "$tags" -ldflags "$ldflags" -o "$d/bin/" \
     ./cmd/workflow-controller ./cmd/argoexec ./cmd/argo
-  cp -r manifests/base/crds "$d/crds"
   rm -rf "$src"
 }
 
 build_training_operator() {
   # The Kubeflow training operator's one binary (cmd/training-operator.v1, as its Dockerfile
-  # builds it: CGO off) and, beside it, the module's CRDs and webhook manifests that
-  # cluster/operator.sh applies. The module has no replace directives, so a plain
-  # requirement builds it as released.
-  local d="$1" up
+  # builds it: CGO off). The module has no replace directives, so a plain requirement builds
+  # it as released; its manifests stay in the module cache, where cluster/operator.sh and lint
+  # read them.
+  local d="$1"
   new_module "$d" "github.com/kubeflow/training-operator@$TRAINING_OPERATOR_VERSION"
   "${NICE[@]}" go build -trimpath -ldflags "-s -w" -o "$d/bin/training-operator" \
     github.com/kubeflow/training-operator/cmd/training-operator.v1
-  up="$(go list -m -f '{{.Dir}}' github.com/kubeflow/training-operator)"
-  cp -r "$up/manifests/base/crds" "$d/crds"
-  cp -r "$up/manifests/base/webhook" "$d/webhook"
-  chmod -R u+w "$d/crds" "$d/webhook"
+}
+
+build_training_operator_image() {
+  # Its Dockerfile (build/images/training-operator): the binary as /manager, its entrypoint,
+  # run as the base's root user as upstream's distroless/static:latest does; on our Debian base.
+  local d="$1" ctx="$1/ctx"
+  [[ -x "$OPERATOR_DIR/bin/training-operator" && -f "$IMAGES_DIR/debian.tar" ]] \
+    || die "build training-operator and images first"
+  ensure_podman; mkdir -p "$ctx"
+  podman image exists "localhost/unet-cluster/debian:$DEBIAN_SUITE" \
+    || podman load -q -i "$IMAGES_DIR/debian.tar" > /dev/null
+  cp "$OPERATOR_DIR/bin/training-operator" "$ctx/manager"
+  printf 'FROM localhost/unet-cluster/debian:%s\nCOPY manager /manager\nENTRYPOINT ["/manager"]\n' \
+    "$DEBIAN_SUITE" > "$ctx/Containerfile"
+  podman build -q -t "$OPERATOR_IMAGE" "$ctx" > /dev/null
+  podman save -q -o "$d/training-operator.tar" "$OPERATOR_IMAGE"
+  rm -rf "$ctx"
 }
 
 ensure_podman() {
@@ -229,22 +241,29 @@ build_images() {  # pause (sandbox image) and a Debian base that is also the hel
   rm -rf "$ctx"
 }
 
-build_argoexec_image() {  # Argo's Dockerfile target `argoexec`, on our Debian base
-  local d="$1" v ctx="$1/ctx"
+build_argo_images() {
+  # Argo's three images (its Dockerfile's targets argoexec, workflow-controller and argocli) from
+  # the binaries of the argo stage, on our Debian base (theirs is distroless, which no registry
+  # here serves); the controller and the CLI as Argo's uid 8737, as its images run them.
+  local d="$1" v ctx="$1/ctx" image name bin uid
   v="$(argo_version)"
   [[ -x "$(argo_dir)/bin/argoexec" && -f "$IMAGES_DIR/debian.tar" ]] || die "build argo and images first"
-  ensure_podman; mkdir -p "$ctx"
+  ensure_podman
   podman image exists "localhost/unet-cluster/debian:$DEBIAN_SUITE" \
     || podman load -q -i "$IMAGES_DIR/debian.tar" > /dev/null
-  cp "$(argo_dir)/bin/argoexec" "$ctx/argoexec"
-  printf 'FROM localhost/unet-cluster/debian:%s\nCOPY argoexec /bin/argoexec\nENTRYPOINT ["argoexec"]\n' \
-    "$DEBIAN_SUITE" > "$ctx/Containerfile"
-  podman build -q -t "localhost/unet-cluster/argoexec:$v" "$ctx" > /dev/null
-  podman save -q -o "$d/argoexec.tar" "localhost/unet-cluster/argoexec:$v"
+  for image in argoexec:argoexec:0 workflow-controller:workflow-controller:8737 argocli:argo:8737; do
+    IFS=: read -r name bin uid <<< "$image"
+    rm -rf "$ctx"; mkdir -p "$ctx"
+    cp "$(argo_dir)/bin/$bin" "$ctx/$bin"
+    printf 'FROM localhost/unet-cluster/debian:%s\nCOPY %s /bin/%s\nUSER %s\nENTRYPOINT ["%s"]\n' \
+      "$DEBIAN_SUITE" "$bin" "$bin" "$uid" "$bin" > "$ctx/Containerfile"
+    podman build -q -t "localhost/unet-cluster/$name:$v" "$ctx" > /dev/null
+    podman save -q -o "$d/$name.tar" "localhost/unet-cluster/$name:$v"
+  done
   rm -rf "$ctx"
 }
 
-stages=("$@"); [[ ${#stages[@]} -gt 0 ]] || stages=(etcd kubernetes kube-proxy cni-plugins coredns images ui argo argoexec-image)
+stages=("$@"); [[ ${#stages[@]} -gt 0 ]] || stages=(etcd kubernetes kube-proxy cni-plugins coredns images ui argo argo-images)
 for s in "${stages[@]}"; do
   case "$s" in
     etcd) run_stage etcd "$ETCD_DIR" build_etcd ;;
@@ -252,12 +271,13 @@ for s in "${stages[@]}"; do
     ui) run_stage ui "$(ui_dir)" build_ui ;;
     argo) run_stage argo "$(argo_dir)" build_argo ;;
     images) run_stage images "$IMAGES_DIR" build_images ;;
-    argoexec-image) run_stage argoexec-image "$CACHE/argoexec-image-$(argo_version)" build_argoexec_image ;;
+    argo-images) run_stage argo-images "$(argo_images_dir)" build_argo_images ;;
     kube-proxy) run_stage kube-proxy "$KUBE_PROXY_DIR" build_kube_proxy ;;
     cni-plugins) run_stage cni-plugins "$CNI_DIR" build_cni_plugins ;;
     coredns) run_stage coredns "$COREDNS_DIR" build_coredns ;;
     training-operator) run_stage training-operator "$OPERATOR_DIR" build_training_operator ;;
-    *) die "unknown stage $s (etcd, kubernetes, kube-proxy, cni-plugins, coredns, images, ui, argo, argoexec-image, training-operator)" ;;
+    training-operator-image) run_stage training-operator-image "$OPERATOR_IMAGE_DIR" build_training_operator_image ;;
+    *) die "unknown stage $s (etcd, kubernetes, kube-proxy, cni-plugins, coredns, images, ui, argo, argo-images, training-operator, training-operator-image)" ;;
   esac
 done
 log "build: $(du -sh "$CACHE" | cut -f1) in $CACHE"

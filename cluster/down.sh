@@ -2,7 +2,7 @@
 # Stop the single-node cluster that cluster/up.sh started and leave no process, mount, network
 # namespace, link, cgroup or iptables/ip6tables rule of it behind, touching only what it made:
 # the cgroups under its own root, the rules that were not there before up.sh (a snapshot), the
-# log links into its state folder, the operator's key folder if operator.sh made it. Removes
+# log links into its state folder. Removes
 # $STATE and $RUN_DIR (certificates, etcd data, containerd's images) unless KEEP_STATE=1; the
 # build cache stays.
 #   bash cluster/down.sh
@@ -24,11 +24,9 @@ stop() {  # NAME [GRACE]: SIGTERM, then SIGKILL after GRACE s (15); only the pid
 }
 ctr_() { ctr --address "$CONTAINERD_SOCK" -n k8s.io "$@"; }
 
-# Both wait out in-flight work on SIGTERM; nothing of theirs needs to survive a teardown.
-stop argo-server 3
-stop training-operator 3   # cluster/operator.sh, when it was started
-stop workflow-controller 3
-# No controller may replace the pods deleted below (CoreDNS's Deployment would, at once).
+stop argo-port-forward 3
+# No controller may replace the pods deleted below (the Deployments of CoreDNS, Argo and the
+# training operator would).
 stop kube-controller-manager
 stop kube-scheduler
 # Let the kubelet tear its pods down itself (containers, sandboxes, CNI DEL), then stop it.
@@ -93,7 +91,6 @@ for l in /var/log/containers/*; do
   [[ -L "$l" && "$(readlink "$l")" == "$STATE/"* ]] && rm -f "$l"
 done
 if [[ -f "$RUN_DIR/made-var-log-containers" ]]; then rmdir /var/log/containers 2> /dev/null || true; fi
-if [[ -f "$RUN_DIR/made-webhook-certs" ]]; then rm -rf "${WEBHOOK_CERTS%/serving-certs}"; fi
 # The host sysctls that the kubelet changed, back to what up.sh found.
 if [[ -f "$RUN_DIR/sysctl.saved" ]]; then
   while read -r k v; do echo "$v" > "/proc/sys/$k" || true; done < "$RUN_DIR/sysctl.saved"
@@ -102,17 +99,16 @@ fi
 # containerd 1.6 puts shim sockets in /run/containerd/s whatever its state folder: drop the
 # folders if they are empty (another containerd may use them).
 rmdir /run/containerd/s /run/containerd/runc/k8s.io /run/containerd/runc /run/containerd 2> /dev/null || true
-# Verify: nothing of ours runs, is mounted, filtered, linked or left in a cgroup or in /tmp.
+# Verify: nothing of ours runs, is mounted, filtered, linked or left in a cgroup.
 rules="$(for ipt in iptables ip6tables; do for t in $IPT_TABLES; do new_rules "$ipt" "$t"; done; done)"
 cg="$(for h in $(cgroup_hierarchies); do [[ ! -d "$h/$CGROUP_ROOT" ]] || echo "$h/$CGROUP_ROOT"; done)"
 links="$(find /var/log/containers -maxdepth 1 -type l -lname "$STATE/*" 2> /dev/null || true)"
-certs="$(if [[ -f "$RUN_DIR/made-webhook-certs" && -e "$WEBHOOK_CERTS" ]]; then echo "$WEBHOOK_CERTS"; fi)"
 if [[ "${KEEP_STATE:-0}" != 1 ]]; then rm -rf "$STATE" "$RUN_DIR"; fi
 left="$(mounts)"
 procs="$(for e in /proc/[0-9]*/exe; do readlink "$e" 2> /dev/null | grep -qE "^($CACHE|$STATE|$RUN_DIR)/" && echo "${e%/exe}"; done || true)"
 procs+="$(pgrep -af -- "containerd --config $STATE|-address $CONTAINERD_SOCK" || true)"
-if [[ -n "$left$procs$rules$cg$links$certs" ]]; then
-  log "left behind:"; printf '%s\n' "$left" "$procs" "$rules" "$cg" "$links" "$certs" | grep -v '^$' >&2
+if [[ -n "$left$procs$rules$cg$links" ]]; then
+  log "left behind:"; printf '%s\n' "$left" "$procs" "$rules" "$cg" "$links" | grep -v '^$' >&2
   exit 1
 fi
-log "down: no process, mount, cgroup, iptables/ip6tables rule, log link or key of the cluster is left"
+log "down: no process, mount, cgroup, iptables/ip6tables rule or log link of the cluster is left"

@@ -29,7 +29,6 @@ BRIDGE=unetcni0
 POD_CIDR=10.244.0.0/24
 SERVICE_CIDR=10.96.0.0/12
 DNS_IP=10.96.0.10
-WEBHOOK_CERTS=/tmp/k8s-webhook-server/serving-certs     # the training operator's, fixed (pkg/cert/cert.go)
 KUBECONFIG_ADMIN="$STATE/pki/admin.conf"
 CONTAINERD_SOCK="$RUN_DIR/containerd/containerd.sock"
 export GOTOOLCHAIN="${GOTOOLCHAIN:-local}" CGO_ENABLED=0 GOFLAGS="-mod=mod -buildvcs=false"
@@ -48,13 +47,13 @@ cgroup_hierarchies() {
 # What iptables/ip6tables hold of a Kubernetes node or of ours, in `-S` form, per table: the
 # KUBE-* chains and jumps of the kubelet (pkg/kubelet/kubelet_network_linux.go) and kube-proxy
 # (pkg/proxy/iptables/proxier.go), the CNI-* ones of CNI plugins (portmap) and the rules with
-# the comment unet-cluster (up.sh, operator.sh).
+# the comment unet-cluster (up.sh).
 our_rules() {  # IPT TABLE
   "$1" -t "$2" -S 2> /dev/null | grep -E '^-[AN] (KUBE|CNI)-|-j (KUBE|CNI)-|--comment "?unet-cluster' || true
 }
 IPT_TABLES="filter nat mangle"
 # guard PORT [IFACE]: drop what reaches PORT from anywhere but loopback (and IFACE, the pods'
-# bridge), in both families (up.sh, operator.sh). down.sh removes the rules by their comment.
+# bridge), in both families (up.sh). down.sh removes the rules by their comment.
 guard() {
   local ipt rule
   for ipt in iptables ip6tables; do
@@ -72,10 +71,14 @@ argo_version() { echo "$ARGO_VERSION"; }   # one pin, no guessing: what ran is w
 # The UI's dist/app, and the Argo binaries built with it embedded (argo server serves it).
 ui_dir() { echo "$CACHE/argo-ui-$(argo_version)"; }
 argo_dir() { echo "$CACHE/argo-$(argo_version)-ui"; }
+# Its images: argoexec.tar, workflow-controller.tar, argocli.tar (cluster/build.sh argo-images).
+argo_images_dir() { echo "$CACHE/argo-images-$(argo_version)"; }
 ETCD_DIR="$CACHE/etcd-$ETCD_VERSION"
 K8S_DIR="$CACHE/kubernetes-$K8S_VERSION"
 KUBE_PROXY_DIR="$CACHE/kube-proxy-$K8S_VERSION"
 CNI_DIR="$CACHE/cni-plugins-$CNI_PLUGINS_VERSION"     # bin/{bridge,host-local,loopback,portmap}
 COREDNS_DIR="$CACHE/coredns-$COREDNS_VERSION"          # bin/coredns, coredns.tar (its image)
-OPERATOR_DIR="$CACHE/training-operator-$TRAINING_OPERATOR_VERSION"   # bin/training-operator, crds/, webhook/
+OPERATOR_DIR="$CACHE/training-operator-$TRAINING_OPERATOR_VERSION"   # bin/training-operator
+OPERATOR_IMAGE_DIR="$CACHE/training-operator-image-$TRAINING_OPERATOR_VERSION"   # training-operator.tar
+OPERATOR_IMAGE="localhost/unet-cluster/training-operator:$TRAINING_OPERATOR_VERSION"
 IMAGES_DIR="$CACHE/images-pause$PAUSE_TAG-$DEBIAN_SUITE"   # pause.tar, debian.tar

@@ -1,64 +1,34 @@
 #!/usr/bin/env bash
-# Install the Kubeflow training operator (PyTorchJob) on the running single-node cluster:
-# its CRDs from the module's manifests/base/crds, and the controller as a host process with the
-# admin kubeconfig (as cluster/up.sh runs Argo). Needs `bash cluster/build.sh training-operator`
-# and a cluster from `bash cluster/up.sh`. Idempotent; cluster/down.sh stops it.
-#   bash cluster/operator.sh          # start (or keep) it and wait until it is ready
-#   bash cluster/operator.sh stop     # stop only the operator
+# Install the Kubeflow training operator (PyTorchJob) on the running single-node cluster as the
+# README tells a user to (`kubectl apply --server-side -k` of its manifests/overlays/standalone):
+# the module's own standalone overlay, all CRDs, the operator's Deployment in namespace
+# kubeflow, its Service and validating webhook. What differs: the image is ours (cluster/build.sh
+# training-operator-image), and so is the workers' init image (below). Idempotent.
+#   bash cluster/operator.sh          # install (or keep) it; wait until its webhook answers
+#   bash cluster/operator.sh stop     # remove its Deployment and webhook registration
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/lib.sh"
-NS=kubeflow                       # pkg/cert/cert.go defaultOperatorNamespace (MY_POD_NAMESPACE unset)
-SECRET=training-operator-webhook-cert   # cmd/training-operator.v1/main.go --webhook-secret-name default
-METRICS=127.0.0.1:18080
-PROBE=127.0.0.1:18081
-WEBHOOK_PORT=9443
-PID="$RUN_DIR/training-operator.pid"
+NS=kubeflow                                   # the overlay's namespace
+WEBHOOK=validator.training-operator.kubeflow.org   # cmd/training-operator.v1/main.go webhookConfigurationName
 # The operator gives every Worker an init container that loops on `nslookup <master>` until the
 # master's Service resolves (pkg/controller.v1/pytorch/initcontainer.go), in alpine:3.10 by
 # default. This cluster has no registry, so it gets a stand-in built from the cluster's Debian
 # base whose `nslookup` is `getent hosts`: the pod's own resolver, the cluster's DNS.
 INIT_IMAGE="localhost/unet-cluster/pytorch-init:$DEBIAN_SUITE-2"
 kc() { kubectl --kubeconfig "$KUBECONFIG_ADMIN" "$@"; }
-alive() { [[ -f "$PID" ]] && kill -0 "$(cat "$PID")" 2> /dev/null; }
 
 if [[ "${1:-}" == stop ]]; then
-  if alive; then kill "$(cat "$PID")"; for _ in $(seq 20); do alive || break; sleep 0.5; done; fi
-  alive && kill -9 "$(cat "$PID")" 2> /dev/null || true
-  [[ ! -f "$RUN_DIR/made-webhook-certs" ]] || rm -rf "${WEBHOOK_CERTS%/serving-certs}"
-  rm -f "$PID" "$RUN_DIR/made-webhook-certs"; log "training-operator stopped"; exit 0
+  # The webhook first: with its failurePolicy Fail, no PyTorchJob could be written without it.
+  kc delete validatingwebhookconfiguration "$WEBHOOK" --ignore-not-found > /dev/null
+  kc -n "$NS" delete deployment training-operator --ignore-not-found --wait > /dev/null
+  log "training-operator stopped"; exit 0
 fi
 
-[[ -x "$OPERATOR_DIR/bin/training-operator" ]] \
-  || die "$OPERATOR_DIR/bin/training-operator missing: run bash cluster/build.sh training-operator"
+[[ -f "$OPERATOR_IMAGE_DIR/training-operator.tar" ]] \
+  || die "$OPERATOR_IMAGE_DIR/training-operator.tar missing: run bash cluster/build.sh training-operator training-operator-image"
 [[ -f "$KUBECONFIG_ADMIN" ]] && kc get --raw /readyz > /dev/null 2>&1 \
   || die "no cluster answers at $KUBECONFIG_ADMIN: run bash cluster/up.sh"
-
-# Its key folder is fixed, in /tmp (pkg/cert/cert.go certDir): it must be ours (down.sh
-# removes it), and what is written there readable by root alone.
-if [[ -e "$WEBHOOK_CERTS" && ! -f "$RUN_DIR/made-webhook-certs" ]]; then
-  die "$WEBHOOK_CERTS exists and operator.sh did not make it (another operator's?)"
-fi
-
-# CRDs: only PyTorchJob is used; the controller is started with --enable-scheme=pytorchjob, so
-# the other kinds' CRDs are not needed (main.go fills all schemes only when none is given).
-kc apply --server-side -f "$OPERATOR_DIR/crds/kubeflow.org_pytorchjobs.yaml" > /dev/null
-# (a poll: `kubectl wait` right after the apply fails on a CRD without status.conditions yet)
-for _ in $(seq 60); do
-  [[ "$(kc get crd pytorchjobs.kubeflow.org -o jsonpath='{.status.conditions[?(@.type=="Established")].status}')" == True ]] && break
-  sleep 1
-done
-# The cert rotator (open-policy-agent/cert-controller rotator.go refreshCertIfNeeded) reads this
-# Secret and fails without it; the operator's own manifests ship it empty. The validating
-# webhook configuration is not registered: the API server could only reach it through a
-# Service, and this cluster has no kube-proxy (cluster/README.md). The rotator skips a missing
-# webhook configuration (ensureCerts: "Webhook not found") and still reports ready.
-kc create namespace "$NS" --dry-run=client -o yaml | kc apply -f - > /dev/null
-kc -n "$NS" get secret "$SECRET" > /dev/null 2>&1 || kc -n "$NS" create secret generic "$SECRET" > /dev/null
-
-# The webhook server binds every interface (main.go sets only its port): loopback only, as
-# up.sh guards Argo's ports; down.sh removes rules with this comment.
-guard "$WEBHOOK_PORT"
 
 if ! podman image exists "$INIT_IMAGE"; then
   podman image exists "localhost/unet-cluster/debian:$DEBIAN_SUITE" \
@@ -71,40 +41,52 @@ if ! podman image exists "$INIT_IMAGE"; then
   podman build -q -t "$INIT_IMAGE" "$ctx" > /dev/null
   rm -rf "$ctx"
 fi
-bash "$here/load-image.sh" "$INIT_IMAGE"
+podman image exists "$OPERATOR_IMAGE" \
+  || podman load -q -i "$OPERATOR_IMAGE_DIR/training-operator.tar" > /dev/null
+bash "$here/load-image.sh" "$INIT_IMAGE" "$OPERATOR_IMAGE"
 
-mkdir -p "$LOGS" "$RUN_DIR"
-if alive; then
-  log "training-operator already running (pid $(cat "$PID"))"
-else
-  KUBECONFIG="$KUBECONFIG_ADMIN" setsid "$OPERATOR_DIR/bin/training-operator" \
-    --enable-scheme=pytorchjob --pytorch-init-container-image="$INIT_IMAGE" \
-    --metrics-bind-address="$METRICS" \
-    --health-probe-bind-address="$PROBE" --webhook-server-port="$WEBHOOK_PORT" \
-    --leader-elect=false >> "$LOGS/training-operator.log" 2>&1 < /dev/null &
-  echo $! > "$PID"
-fi
-# In its Deployment (manifests/base/deployment.yaml) the kubelet mounts the Secret at the cert
-# folder of pkg/cert/cert.go; the rotator only fills the Secret and then waits for the files
-# (rotator.go ensureCertsMounted). A host process has no kubelet: write them as the mount would.
-for _ in $(seq 120); do
-  crt="$(kc -n "$NS" get secret "$SECRET" -o jsonpath='{.data.tls\.crt}' 2> /dev/null || true)"
-  [[ -n "$crt" ]] && break; sleep 1
-done
-[[ -n "$crt" ]] || die "the operator's cert rotator did not fill secret $NS/$SECRET"
-touch "$RUN_DIR/made-webhook-certs"
-(umask 077 && mkdir -p "$WEBHOOK_CERTS")
-for f in tls.crt tls.key ca.crt; do
-  (umask 077 && kc -n "$NS" get secret "$SECRET" -o jsonpath="{.data.${f//./\\.}}" \
-    | base64 -d > "$WEBHOOK_CERTS/$f.tmp")
-  mv "$WEBHOOK_CERTS/$f.tmp" "$WEBHOOK_CERTS/$f"
-done
-# readyz turns ok once the certificates exist and the webhook server started (main.go
-# setupProbeEndpoints); the controllers are registered right after the same channel closes.
+# The overlay from the module (kustomize takes no absolute path: a copy beside a kustomization).
+src="$(go mod download -json "github.com/kubeflow/training-operator@$TRAINING_OPERATOR_VERSION" \
+  | sed -n 's/^\s*"Dir": "\(.*\)",$/\1/p')"
+[[ -f "$src/manifests/overlays/standalone/kustomization.yaml" ]] || die "no standalone overlay in $src"
+install="$STATE/operator-install"
+rm -rf "$install"; mkdir -p "$install"
+cp -r "$src/manifests" "$install/manifests"; chmod -R u+w "$install/manifests"
+cat > "$install/kustomization.yaml" <<EOF
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources: [manifests/overlays/standalone]
+images:
+- {name: ghcr.io/kubeflow/training-v1/training-operator, newName: ${OPERATOR_IMAGE%:*}, newTag: $TRAINING_OPERATOR_VERSION}
+patches:
+- target: {kind: Deployment, name: training-operator}
+  patch: '[{"op": "add", "path": "/spec/template/spec/containers/0/args",
+            "value": ["--pytorch-init-container-image=$INIT_IMAGE"]}]'
+EOF
+kc apply --server-side -k "$install" > /dev/null
+# Ready once its cert rotator has filled the webhook Secret, the kubelet has mounted it (it
+# refreshes a Secret volume on its pod sync, up to a minute) and the webhook server started
+# (main.go setupProbeEndpoints, open-policy-agent cert-controller rotator.go).
 t0=$SECONDS
-until curl -fsS "http://$PROBE/readyz" > /dev/null 2>&1; do
-  alive || { tail -n 20 "$LOGS/training-operator.log" >&2; die "training-operator exited"; }
-  (( SECONDS - t0 < 120 )) || { tail -n 20 "$LOGS/training-operator.log" >&2; die "training-operator not ready after 120s"; }
-  sleep 1
-done
-log "training-operator $TRAINING_OPERATOR_VERSION ready after $(( SECONDS - t0 ))s (log: $LOGS/training-operator.log)"
+kc -n "$NS" rollout status deployment/training-operator --timeout=300s > /dev/null \
+  || { kc -n "$NS" logs deployment/training-operator --tail=20 >&2 || true; die "training-operator not ready"; }
+# The API server reaches the webhook through the operator's Service (kube-proxy), with the CA
+# that the rotator put into the registration: a job with two masters must be refused by it.
+refused() {
+  local said
+  said="$(kc create --dry-run=server -f - 2>&1 <<EOF || true
+apiVersion: kubeflow.org/v1
+kind: PyTorchJob
+metadata: {name: webhook-check, namespace: default}
+spec:
+  pytorchReplicaSpecs:
+    Master:
+      replicas: 2
+      template: {spec: {containers: [{name: pytorch, image: "$INIT_IMAGE"}]}}
+EOF
+)"
+  grep -q 'admission webhook "validator.pytorchjob.training-operator.kubeflow.org" denied' <<< "$said"
+}
+for _ in $(seq 60); do refused && break; sleep 2; done
+refused || die "the operator's validating webhook does not answer through its Service"
+log "training-operator $TRAINING_OPERATOR_VERSION ready, its webhook answering, after $(( SECONDS - t0 ))s"

@@ -12,6 +12,7 @@ case "$target" in etcd) last=1 ;; control-plane) last=2 ;; node) last=3 ;; argo)
   *) die "unknown stage $target (etcd, control-plane, node, argo)" ;; esac
 ARGO_V="$(argo_version)"
 ARGO_DIR="$(argo_dir)"
+ARGO_IMAGES="$(argo_images_dir)"
 K="$K8S_DIR/bin"
 PKI="$STATE/pki"
 t_start=$(date +%s)
@@ -215,7 +216,7 @@ start containerd containerd --config "$STATE/containerd.toml"
 ctr_() { ctr --address "$CONTAINERD_SOCK" -n k8s.io "$@"; }
 wait_for "containerd" 60 ctr_ version
 for tar in "$IMAGES_DIR/pause.tar" "$IMAGES_DIR/debian.tar" "$COREDNS_DIR/coredns.tar" \
-  "$CACHE/argoexec-image-$ARGO_V/argoexec.tar"; do
+  "$ARGO_IMAGES"/{argoexec,workflow-controller,argocli}.tar; do
   if [[ -f "$tar" ]]; then ctr_ images import "$tar" > /dev/null; fi
 done
 log "  images: $(ctr_ images ls -q | grep -c unet-cluster) loaded ($(ctr_ images ls -q | grep unet-cluster | tr '\n' ' '))"
@@ -286,7 +287,9 @@ kc -n kube-system create serviceaccount kube-proxy --dry-run=client -o yaml | kc
 kc create clusterrolebinding unet-cluster:kube-proxy --clusterrole=system:node-proxier \
   --serviceaccount=kube-system:kube-proxy --dry-run=client -o yaml | kc apply -f - > /dev/null
 sa_kubeconfig kube-system kube-proxy "$STATE/kube-proxy.conf"
-cat > "$STATE/kube-proxy.yaml" <<EOF
+# Written only when it changes: a running kube-proxy watches the file and exits on any write
+# (cmd/kube-proxy/app/options.go: "content of the proxy server's configuration file was updated").
+cat > "$STATE/kube-proxy.yaml.new" <<EOF
 apiVersion: kubeproxy.config.k8s.io/v1alpha1
 kind: KubeProxyConfiguration
 clientConnection: {kubeconfig: $STATE/kube-proxy.conf}
@@ -301,6 +304,8 @@ iptables: {localhostNodePorts: false}
 conntrack: {maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}
 oomScoreAdj: 0
 EOF
+cmp -s "$STATE/kube-proxy.yaml.new" "$STATE/kube-proxy.yaml" && rm "$STATE/kube-proxy.yaml.new" \
+  || mv "$STATE/kube-proxy.yaml.new" "$STATE/kube-proxy.yaml"
 start kube-proxy "$KUBE_PROXY_DIR/bin/kube-proxy" --config="$STATE/kube-proxy.yaml"
 wait_for "kube-proxy /healthz" 60 curl -sf http://127.0.0.1:10256/healthz
 sed -e "s|COREDNS_IMAGE|localhost/unet-cluster/coredns:$COREDNS_VERSION|" -e "s|DNS_IP|$DNS_IP|" \
@@ -328,23 +333,23 @@ kc delete pod hello --wait=false > /dev/null
 (( last >= 4 )) || { log "node up in $(( $(date +%s) - t_start ))s; KUBECONFIG=$KUBECONFIG_ADMIN"; exit 0; }
 
 # ---- 4. Argo Workflows -----------------------------------------------------------------------
-need_built "$ARGO_DIR/bin/workflow-controller" "$ARGO_DIR/bin/argo" "$CACHE/argoexec-image-$ARGO_V/argoexec.tar"
-log "[4/4] Argo Workflows $ARGO_V: CRDs, controller, server"
-# The full CRDs, as Argo's cluster install applies them (manifests/cluster-install: ../base/
-# crds/full): the API server checks every Workflow and template against their schema.
-kc apply --server-side -k "$ARGO_DIR/crds/full" > /dev/null
-wait_for "Argo CRDs Established" 60 kc wait --for=condition=Established crd --all --timeout=5s
+need_built "$ARGO_DIR/bin/argo" "$ARGO_IMAGES/argocli.tar"
+log "[4/4] Argo Workflows $ARGO_V: its cluster install, the server over TLS through a port-forward"
 kc create namespace argo --dry-run=client -o yaml | kc apply -f - > /dev/null
-# The controller's ConfigMap (config/config.go): no workflow defaults (every pod on the pod
-# network; the executor reaches the API server through the `kubernetes` Service). Metrics on,
-# as Argo's default, in plain http on :9090 (util/telemetry/exporter_prometheus.go), which binds
-# every interface: the rules below keep it to loopback, where the tests scrape our unet_* series.
-kc apply -f - > /dev/null <<EOF
+# The controller's ConfigMap (config/config.go), before the install so that the controller
+# starts with it (the install's own copy of it is empty and, applied server-side, leaves this
+# data alone): our executor image (build.sh argo-images; the built-in default is quay.io's,
+# workflow/controller/config.go executorImage), metrics on in plain http on :9090
+# (util/telemetry/exporter_prometheus.go), which Prometheus, or a test on the node, scrapes at
+# the controller pod's address. Applied server-side under a manager of its own: kubectl's
+# server-side apply takes over what its client-side apply set (csaupgrade) and would drop it.
+kc apply --server-side --field-manager=unet-cluster -f - > /dev/null <<EOF
 apiVersion: v1
 kind: ConfigMap
 metadata: {name: workflow-controller-configmap, namespace: argo}
 data:
   executor: |
+    image: localhost/unet-cluster/argoexec:$ARGO_V
     imagePullPolicy: IfNotPresent
   metricsConfig: |
     enabled: true
@@ -353,40 +358,12 @@ data:
   telemetryConfig: |
     enabled: false
 EOF
-# The controller's health server (:6060, cmd/workflow-controller/main.go) and `argo server`
-# (:PORT, server/apiserver/argoserver.go) bind every interface and have no address flag: drop
-# what reaches those ports from anywhere but loopback. down.sh removes the rules by comment.
-for port in 2746 6060 9090; do guard "$port"; done
-# The controller runs as the ServiceAccount argo/argo and `argo server` as argo/argo-server, each
-# with Argo's own install RBAC from the module (manifests/cluster-install-no-crds:
-# workflow-controller-rbac's ClusterRole argo-cluster-role and Role argo-role,
-# argo-server-rbac's ClusterRole argo-server-cluster-role), not as cluster-admin: what they may
-# do here is what they may do in a real install, so a missing grant (the memoization cache's
-# ConfigMap, manifests/controller) fails here as it would there.
-argo_src="$(go mod download -json "github.com/argoproj/argo-workflows/v4@$ARGO_V" | sed -n 's/^\s*"Dir": "\(.*\)",$/\1/p')"
-rbac="$argo_src/manifests/cluster-install-no-crds"
-need_built "$rbac/workflow-controller-rbac/workflow-controller-clusterrole.yaml" \
-  "$rbac/argo-server-rbac/argo-server-clusterole.yaml"
-# workflow-aggregate-roles.yaml adds Argo's kinds to Kubernetes' view, edit and admin roles, as
-# the install does: a namespace's admin may then use workflows there.
-kc -n argo apply -f "$rbac/workflow-controller-rbac/workflow-controller-clusterrole.yaml" \
-  -f "$rbac/workflow-controller-rbac/workflow-controller-role.yaml" \
-  -f "$rbac/workflow-controller-rbac/workflow-aggregate-roles.yaml" \
-  -f "$rbac/argo-server-rbac/argo-server-clusterole.yaml" > /dev/null
-for account in argo argo-server; do
-  kc -n argo create serviceaccount "$account" --dry-run=client -o yaml | kc apply -f - > /dev/null
-  kc create clusterrolebinding "$account-binding" --clusterrole="$account-cluster-role" \
-    --serviceaccount="argo:$account" --dry-run=client -o yaml | kc apply -f - > /dev/null
-done
-kc -n argo create rolebinding argo-binding --role=argo-role --serviceaccount=argo:argo \
-  --dry-run=client -o yaml | kc apply -f - > /dev/null
-sa_kubeconfig argo argo "$STATE/controller.conf"
-sa_kubeconfig argo argo-server "$STATE/argo-server.conf"
 # TLS for argo server (--secure, its default): a CA and a server certificate for localhost and
-# 127.0.0.1, made at the first start (or when it expires within a day), in the Secret that the
-# server reads (cmd/argo/commands/server.go --tls-certificate-secret-name,
-# util/tls/tls.go GetServerTLSConfigFromSecret: tls.crt and tls.key in its own namespace). The
-# CA's key is deleted once it has signed; clients get the CA certificate, $ARGO_PKI/ca.crt.
+# 127.0.0.1, where the port-forward below serves it, made at the first start (or when it
+# expires within a day), in the Secret that the server reads (cmd/argo/commands/server.go
+# --tls-certificate-secret-name, util/tls/tls.go GetServerTLSConfigFromSecret: tls.crt and
+# tls.key in its own namespace). The CA's key is deleted once it has signed; clients get the CA
+# certificate, $ARGO_PKI/ca.crt.
 ARGO_PKI="$PKI/argo-server"
 if ! openssl x509 -checkend 86400 -noout -in "$ARGO_PKI/tls.crt" > /dev/null 2>&1; then
   rm -rf "$ARGO_PKI"
@@ -405,16 +382,43 @@ if ! openssl x509 -checkend 86400 -noout -in "$ARGO_PKI/tls.crt" > /dev/null 2>&
 fi
 kc -n argo create secret tls argo-server-tls --cert="$ARGO_PKI/tls.crt" --key="$ARGO_PKI/tls.key" \
   --dry-run=client -o yaml | kc apply -f - > /dev/null
-LEADER_ELECTION_DISABLE=true KUBECONFIG="$STATE/controller.conf" start workflow-controller \
-  "$ARGO_DIR/bin/workflow-controller" --configmap=workflow-controller-configmap \
-  --executor-image="localhost/unet-cluster/argoexec:$ARGO_V" --executor-image-pull-policy=IfNotPresent
-# --auth-mode=client: every call acts with the caller's own token (server/auth/gatekeeper.go);
-# no token is a 401. The server's own account only reads its Secret and serves the UI.
-KUBECONFIG="$STATE/argo-server.conf" start argo-server "$ARGO_DIR/bin/argo" server \
-  --auth-mode=client --tls-certificate-secret-name=argo-server-tls --port=2746 --namespaced=false
+# Argo's cluster install as its release builds install.yaml (Makefile: `kubectl kustomize
+# manifests/cluster-install`, then dist/manifests/% turns `:latest` into the release's tag),
+# from the module's own manifests:
+# the full CRDs, the controller as argo/argo and `argo server` as argo/argo-server with their
+# RBAC, the server's Service. What differs: the images are ours (build.sh argo-images) and the
+# server is given the certificate above, the one thing Argo's TLS docs have a user add. The
+# server runs with its defaults otherwise, --auth-mode=client among them: every call acts with
+# the caller's own token (server/auth/gatekeeper.go); no token is a 401.
+argo_src="$(go mod download -json "github.com/argoproj/argo-workflows/v4@$ARGO_V" | sed -n 's/^\s*"Dir": "\(.*\)",$/\1/p')"
+need_built "$argo_src/manifests/cluster-install/kustomization.yaml"
+install="$STATE/argo-install"   # kustomize takes no absolute path: a copy of the module's manifests
+rm -rf "$install"; mkdir -p "$install"
+cp -r "$argo_src/manifests" "$install/manifests"; chmod -R u+w "$install/manifests"
+cat > "$install/kustomization.yaml" <<EOF
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources: [manifests/cluster-install]
+images:
+- {name: quay.io/argoproj/workflow-controller, newName: localhost/unet-cluster/workflow-controller, newTag: $ARGO_V}
+- {name: quay.io/argoproj/argocli, newName: localhost/unet-cluster/argocli, newTag: $ARGO_V}
+patches:
+- target: {kind: Deployment, name: argo-server}
+  patch: '[{"op": "add", "path": "/spec/template/spec/containers/0/args/-",
+            "value": "--tls-certificate-secret-name=argo-server-tls"}]'
+EOF
+kc apply --server-side -k "$install" > /dev/null
+wait_for "Argo CRDs Established" 60 kc wait --for=condition=Established crd --all --timeout=5s
+wait_for "workflow-controller and argo-server rolled out" 180 \
+  kc -n argo rollout status deploy/workflow-controller deploy/argo-server --timeout=5s
+# Clients reach the server as Argo's docs tell users to: `kubectl port-forward svc/argo-server`,
+# on loopback. A port-forward ends when its pod goes away; this one starts again, as a user
+# would start it again.
+start argo-port-forward bash -c 'trap "kill \$pf 2> /dev/null; exit 0" TERM
+  while :; do kubectl --kubeconfig "$1" -n argo port-forward svc/argo-server 2746:2746 & pf=$!
+    wait $pf; sleep 1; done' port-forward "$KUBECONFIG_ADMIN"
 ARGO_URL=https://127.0.0.1:2746
 argo_curl() { curl -s --cacert "$ARGO_PKI/ca.crt" "$@"; }
-wait_for "workflow-controller /healthz" 90 curl -sf http://127.0.0.1:6060/healthz
 refuses_anonymous() {   # 503 until it has started; then 401, or the server is open
   [[ "$(argo_curl -o /dev/null -w '%{http_code}' "$ARGO_URL/api/v1/workflows/argo")" == 401 ]]
 }
@@ -464,8 +468,8 @@ SSL_CERT_FILE="$ARGO_PKI/ca.crt" ARGO_SERVER=127.0.0.1:2746 ARGO_HTTP1=true \
   ARGO_TOKEN="Bearer $(kc -n argo create token argo --duration=10m)" \
   "$ARGO_DIR/bin/argo" -n argo get hello -o name > /dev/null || die "argo server does not list the hello Workflow"
 # Every listener of ours is on loopback, or on a port that the rules above guard.
-open="$(ss -Hltnp | grep -E '"(etcd|kube-[a-z-]*|kubelet|containerd|workflow-contro|argo)"' \
-  | awk '$4 !~ /^(127\.0\.0\.1|\[::1\]):/ && $4 !~ /:(6443|2746|6060|9090)$/' || true)"
+open="$(ss -Hltnp | grep -E '"(etcd|kube[a-z-]*|kubelet|containerd)"' \
+  | awk '$4 !~ /^(127\.0\.0\.1|\[::1\]):/ && $4 !~ /:6443$/' || true)"
 [[ -z "$open" ]] || die "listening beyond loopback: $open"
 readable="$(find "$STATE/pki" -type f \( -name '*.key' -o -name '*.conf' \) -perm /o+r; \
   find "$STATE" -maxdepth 1 -type f -name '*.conf' -perm /o+r)"

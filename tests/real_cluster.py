@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import secrets
 import shutil
 import subprocess
@@ -29,6 +28,7 @@ from workflows.config import load_config
 from emulator import pods
 from workflows.s3server import SeaweedServer, find_weed, path_style_client
 from workflows.unet import build
+from workflows.versions import pin
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "cluster"
@@ -39,7 +39,7 @@ ARGO_CA = STATE / "pki" / "argo-server" / "ca.crt"   # made by cluster/up.sh
 CACHE = Path(os.environ.get("UNET_CLUSTER_CACHE") or Path.home() / ".cache" / "unet-cluster")
 REQUIRED = os.environ.get("UNET_REQUIRE_CLUSTER") == "1"
 NAMESPACE = "unet"
-CONTROLLER_NAMESPACE = "argo"        # cluster/up.sh runs the controller as argo/argo
+CONTROLLER_NAMESPACE = "argo"        # Argo's install, as cluster/up.sh applies it
 PROFILE = "cluster"
 BUCKET = "unet-artifacts"
 CFG = load_config(None, PROFILE, [])
@@ -150,8 +150,12 @@ S3_READY = "/tmp/unet-s3-ready"
 
 class ClusterS3:
     """The cluster's S3: SeaweedFS from the project's own image (containers/seaweedfs, the one
-    docker-compose runs) as a Deployment behind the Service ``s3``. Pods, ``argo server`` and
-    the tests on the node reach it at the Service's address, through kube-proxy."""
+    docker-compose runs) as a Deployment behind the Service ``s3``. Pods and ``argo server``
+    (a pod too) reach it by the Service's name through cluster DNS, :attr:`in_cluster`; the
+    tests on the node, where cluster names do not resolve, at its cluster IP through kube-proxy,
+    :attr:`endpoint`."""
+
+    in_cluster = f"http://s3.{S3_NAMESPACE}.svc:{S3_PORT}"
 
     def __init__(self, address: str, access_key: str, secret_key: str):
         self.address, self.access_key, self.secret_key = address, access_key, secret_key
@@ -253,7 +257,7 @@ def overlay(root: Path, endpoint: str) -> Path:
 def argo(store, tmp_path_factory) -> ArgoServer:
     """The pipeline's namespace as the README deploys it (base manifests, the credentials
     Secret from this run's generated keys, the controller's cache), and the Argo Server."""
-    root = overlay(tmp_path_factory.mktemp("overlay"), store.endpoint)
+    root = overlay(tmp_path_factory.mktemp("overlay"), store.in_cluster)
     kubectl("apply", "-k", str(root))
     secret = kubectl("-n", NAMESPACE, "create", "secret", "generic", "unet-s3-credentials",
                      f"--from-literal=accessKey={store.access_key}",
@@ -350,21 +354,6 @@ def cli(argo: ArgoServer, *args: str, timeout: float = WAIT_S + 60) -> subproces
            "ARGO_NAMESPACE": NAMESPACE, "REQUESTS_CA_BUNDLE": str(ARGO_CA)}
     return subprocess.run([sys.executable, "workflows/unet.py", *args, "--profile", PROFILE],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def setting(name: str) -> str:
-    """A plain setting of cluster/lib.sh: ``NAME=value``."""
-    found = re.search(rf"^{name}=(\S+)$", (CLUSTER / "lib.sh").read_text(), re.M)
-    assert found, f"cluster/lib.sh sets no {name}"
-    return found.group(1)
-
-
-def pin(name: str) -> str:
-    """A version pinned in cluster/lib.sh: ``NAME="${NAME:-vX.Y.Z}"``."""
-    found = re.search(rf'^{name}="\$\{{{name}:-(v[0-9.]+)\}}"',
-                      (CLUSTER / "lib.sh").read_text(), re.M)
-    assert found, f"cluster/lib.sh pins no {name}"
-    return found.group(1)
 
 
 def argo_cli(argo: ArgoServer, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -42,10 +42,11 @@ from workflows.argo import ArgoError, ArgoServer
 from emulator.dag import pod_name
 from emulator.runner import run_workflow
 from workflows.s3server import SeaweedServer
+from workflows.versions import setting
 
 from real_cluster import (ARGO_URL, BUCKET, CFG, CONTROLLER_NAMESPACE, IMAGE, NAMESPACE, REPO,
                           S3_NAMESPACE, S3_PORT, api, argo_cli, as_account, cli, compiled, keys,
-                          kubectl, request, setting, template, text, token, unique, wait)
+                          kubectl, request, template, text, token, unique, wait)
 from train_data import OPEN_GATE, STRICT_GATE, WITH_QUANTIZE
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -308,7 +309,8 @@ def first_run(argo, store) -> dict:
 
 def test_the_steps_ran_on_the_pod_network_under_baseline(first_run, store):
     """The run's pods had addresses on the pod network, none the node's, in a namespace that
-    enforces Pod Security ``baseline`` as manifests/base declares; their S3 was the Service."""
+    enforces Pod Security ``baseline`` as manifests/base declares; their S3 was the Service,
+    by its name."""
     name = first_run["metadata"]["name"]
     pods = json.loads(kubectl("-n", NAMESPACE, "get", "pods", "-o", "json", "-l",
                               f"workflows.argoproj.io/workflow={name}"))["items"]
@@ -319,8 +321,11 @@ def test_the_steps_ran_on_the_pod_network_under_baseline(first_run, store):
         assert ipaddress.ip_address(pod["status"]["podIP"]) in pod_network, pod["status"]
     labels = json.loads(kubectl("get", "namespace", NAMESPACE, "-o", "json"))["metadata"]["labels"]
     assert labels["pod-security.kubernetes.io/enforce"] == "baseline"
-    address = kubectl("-n", S3_NAMESPACE, "get", "service", "s3", "-o", "jsonpath={.spec.clusterIP}")
-    assert store.endpoint == f"http://{address}:{S3_PORT}"
+    storage = json.loads(kubectl("-n", NAMESPACE, "get", "configmap", "-o", "json",
+                                 "unet-storage", "artifact-repositories"))["items"]
+    assert storage[0]["data"]["endpoint"] == f"http://s3.{S3_NAMESPACE}.svc:{S3_PORT}"
+    assert yaml.safe_load(storage[1]["data"]["default-v1"])["s3"]["endpoint"] == \
+        f"s3.{S3_NAMESPACE}.svc:{S3_PORT}"
 
 
 def test_publish_and_submit_run_the_dag_in_the_real_image(first_run, argo, store,
@@ -526,8 +531,11 @@ def test_the_controller_exports_our_metrics(first_run):
     """The Workflow's Prometheus metrics, emitted by the real controller (metrics on, as Argo
     installs it) once train succeeded, with their labels, under the ``argo_workflows_`` prefix
     that Argo v4.0.5 gives custom metrics (util/telemetry/exporter_prometheus.go WithNamespace,
-    docs/metrics.md); no node failed to emit one."""
-    text = requests.get("http://127.0.0.1:9090/metrics", timeout=30).text
+    docs/metrics.md); no node failed to emit one. Scraped as Prometheus would, at the
+    controller pod's address (Argo's install has no Service for its metrics)."""
+    address = kubectl("-n", CONTROLLER_NAMESPACE, "get", "pods", "-l", "app=workflow-controller",
+                      "-o", "jsonpath={.items[0].status.podIP}")
+    text = requests.get(f"http://{address}:9090/metrics", timeout=30).text
     prefix = "argo_workflows_"   # what the controller puts before a custom metric's name
     series = {line.split("{")[0].split(" ")[0] for line in text.splitlines()
               if line.startswith(f"{prefix}unet_")}

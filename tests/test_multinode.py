@@ -10,6 +10,7 @@ tests skip with the reason; ``UNET_REQUIRE_CLUSTER=1`` turns the skip into a fai
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -240,6 +241,7 @@ def test_no_compiled_retry_has_a_cap_it_cannot_reach():
 # README deploys it) come from tests/real_cluster.py through tests/conftest.py.
 from real_cluster import (BUCKET, NAMESPACE, _script, _skip, api, compiled,  # noqa: E402
                           keys, kubectl, template, text, unique, until, wait)
+from workflows.versions import pin  # noqa: E402
 
 def on_the_operator(test):
     """A test on the real operator: slow, and allowed the cluster suite's time."""
@@ -248,22 +250,22 @@ def on_the_operator(test):
 
 CONTAINERD = "/run/unet-cluster/containerd/containerd.sock"   # cluster/lib.sh CONTAINERD_SOCK
 
-OPERATOR = Path(os.environ.get("UNET_CLUSTER_CACHE", Path.home() / ".cache" / "unet-cluster"))
+CACHE = Path(os.environ.get("UNET_CLUSTER_CACHE", Path.home() / ".cache" / "unet-cluster"))
 # 2 replicas x 1 CPU process (gloo) on the 2-core, 24 GiB node of the cluster profile.
 MULTI = ("resources.train.nodes=2", "train.devices=1")
 JOB_WAIT_S = 1200
+WEBHOOK = "validator.training-operator.kubeflow.org"   # cmd/training-operator.v1/main.go
 
 
 @pytest.fixture(scope="session")
 def operator(cluster):
-    """cluster/operator.sh: the PyTorchJob CRD and the controller built from its Go module."""
-    version = subprocess.run(["bash", "-c", f"source {REPO}/cluster/lib.sh; "
-                              "echo $TRAINING_OPERATOR_VERSION"], capture_output=True,
-                             text=True).stdout.strip()
-    binary = OPERATOR / f"training-operator-{version}" / "bin" / "training-operator"
-    if not binary.exists():
-        _skip(f"the training operator is not built ({binary}; bash cluster/build.sh "
-              "training-operator)")
+    """cluster/operator.sh: the operator's own install (its standalone overlay from the Go
+    module) with the image built from that module."""
+    version = pin("TRAINING_OPERATOR_VERSION")
+    image = CACHE / f"training-operator-image-{version}" / "training-operator.tar"
+    if not image.exists():
+        _skip(f"the training operator is not built ({image}; bash cluster/build.sh "
+              "training-operator training-operator-image)")
     run = _script("operator.sh", timeout=300)
     assert run.returncode == 0, f"cluster/operator.sh: {run.stderr[-600:]}"
     return version
@@ -310,6 +312,34 @@ def submit(argo, *overrides: str, tasks=("download", "preprocess", "share-datase
     if worker:
         doc = with_worker(doc, worker)
     return argo.create_workflow(doc)["metadata"]["name"]
+
+
+def dry_run(job: dict) -> str:
+    """``kubectl create --dry-run=server`` of ``job``: what the API server, its admission
+    webhooks included, says of it."""
+    return kubectl("-n", NAMESPACE, "create", "--dry-run=server", "-f", "-",
+                   stdin=yaml.safe_dump(job), check=False)
+
+
+@on_the_operator
+def test_the_operators_webhook_admits_the_compiled_job_and_refuses_two_masters(operator):
+    """The install registers the operator's validating webhook, which the API server calls
+    through the operator's Service with the CA its cert rotator filled in. The compiled job
+    (Argo's placeholders filled in as the controller would) passes it; with two masters it is
+    refused by it (pkg/webhooks/pytorch: "must be 1")."""
+    hooks = json.loads(kubectl("get", "validatingwebhookconfiguration", WEBHOOK, "-o", "json"))
+    hook = next(h for h in hooks["webhooks"] if h["name"].startswith("validator.pytorchjob."))
+    assert hook["clientConfig"]["service"]["name"] == "training-operator"
+    assert hook["clientConfig"].get("caBundle") and hook["failurePolicy"] == "Fail"
+    manifest = template(compiled(*MULTI), "train")["resource"]["manifest"]
+    manifest = manifest.replace("{{workflow.name}}", unique("webhook"))
+    job = yaml.safe_load(re.sub(r"\{\{[^}]+\}\}", "1", manifest))
+    said = dry_run(job)
+    assert said.strip().endswith("created (server dry run)"), said
+    job["spec"]["pytorchReplicaSpecs"]["Master"]["replicas"] = 2
+    said = dry_run(job)
+    assert f'admission webhook "validator.pytorchjob.{WEBHOOK.split(".", 1)[1]}" denied' in said
+    assert "Master].replicas: Forbidden: must be 1" in said, said
 
 
 @on_the_operator

@@ -13,13 +13,13 @@ import pytest
 import yaml
 
 from workflows.config import load_config, seconds
-from workflows.lint import PYTORCHJOB_CRD, crd, lint
+from workflows.lint import PYTORCHJOB_CRDS, crd, first_file, lint
 from workflows.pod_rules import (deadlines, memoized_retries, multinode_job, references,
                                  writable_outputs)
 from workflows.unet import build
 
-needs_crd = pytest.mark.skipif(not PYTORCHJOB_CRD.is_file(),
-                               reason=f"{PYTORCHJOB_CRD} is absent (../shared not checked out)")
+needs_crd = pytest.mark.skipif(first_file(PYTORCHJOB_CRDS) is None,
+                               reason=f"no PyTorchJob CRD: none of {PYTORCHJOB_CRDS} is there")
 PROFILES = (None, "fp32_8hpu_training", "bf16_8hpu_training", "cuda_1gpu", "cpu_quick",
             "local")
 

@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from real_cluster import argo_cli, kubectl, pin
+from workflows.lint import ARGO_SCHEMAS, PYTORCHJOB_CRDS, first_file
+from workflows.versions import pin
+
+from real_cluster import REQUIRED, argo_cli, kubectl
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,6 +34,19 @@ def test_the_readmes_install_what_ran():
     table = (REPO / "cluster" / "README.md").read_text()
     for version in (argo, operator, pin("K8S_VERSION"), pin("ETCD_VERSION")):
         assert f"{version}" in table, version
+
+
+def test_lint_checks_against_the_schema_and_crd_of_the_versions_that_ran():
+    """Lint's Argo schema and PyTorchJob CRD come from the pinned modules; in CI, which builds
+    the cluster from them first, nothing else will do."""
+    for paths, module in ((ARGO_SCHEMAS, f"argo-workflows/v4@{pin('ARGO_VERSION')}/"),
+                          (PYTORCHJOB_CRDS,
+                           f"training-operator@{pin('TRAINING_OPERATOR_VERSION')}/")):
+        assert module in str(paths[0]), paths
+        if first_file(paths) != paths[0]:
+            if REQUIRED:
+                pytest.fail(f"UNET_REQUIRE_CLUSTER=1 but {paths[0]} is missing")
+            pytest.skip(f"{paths[0]} is missing (bash cluster/build.sh argo training-operator)")
 
 
 def test_kubectl_is_installed_within_one_minor_of_the_api_server():

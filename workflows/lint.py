@@ -19,10 +19,22 @@ from jsonschema import Draft7Validator
 
 from steps.storage import CREDENTIAL_VARS
 from workflows.pod_rules import pod_rules, pytorch_jobs
+from workflows.versions import module_file, pin
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VALIDATOR = REPO_ROOT.parent / "shared" / "tools" / "validate_argo.py"
-PYTORCHJOB_CRD = REPO_ROOT.parent / "shared" / "kubeflow" / "pytorchjob-crd-v1.9.0.yaml"
+# What lint checks against: the JSON schema and the PyTorchJob CRD of the versions that ran
+# (cluster/lib.sh), from their modules; where cluster/build.sh has not downloaded those, the
+# copies in ../shared (Argo v4.1.2, training operator v1.9.0), named in a note.
+ARGO_VERSION, OPERATOR_VERSION = pin("ARGO_VERSION"), pin("TRAINING_OPERATOR_VERSION")
+ARGO_SCHEMAS = (module_file("github.com/argoproj/argo-workflows/v4", ARGO_VERSION,
+                            "api/jsonschema/schema.json"),
+                REPO_ROOT.parent / "shared" / "argo" / "workflow-schema-v4.1.2.json")
+PYTORCHJOB_CRDS = (module_file("github.com/kubeflow/training-operator", OPERATOR_VERSION,
+                               "manifests/base/crds/kubeflow.org_pytorchjobs.yaml"),
+                   REPO_ROOT.parent / "shared" / "kubeflow" / "pytorchjob-crd-v1.9.0.yaml")
+REFERENCES = {"schema": (f"Argo {ARGO_VERSION}", ARGO_SCHEMAS),
+              "crd": (f"training operator {OPERATOR_VERSION}", PYTORCHJOB_CRDS)}
 CREDENTIAL_ENV = CREDENTIAL_VARS + ("ARGO_TOKEN", "MINIO_ROOT_PASSWORD", "MINIO_ROOT_USER")
 _SECRET_NAME = re.compile(r"(SECRET|PASSWORD|PASSWD|TOKEN|ACCESS_KEY|PRIVATE_KEY|API_KEY)",
                           re.IGNORECASE)
@@ -60,10 +72,17 @@ def _diff(a, b, path: str) -> Iterator[tuple[str, str]]:
         yield path, "changed"
 
 
+def first_file(paths: Iterable[Path]) -> Path | None:
+    return next((p for p in paths if p.is_file()), None)
+
+
 @functools.lru_cache(maxsize=1)
 def _validators():
-    module = load_validator()
-    return None if module is None else module.validators(module.load_schema())
+    module, source = load_validator(), first_file(ARGO_SCHEMAS)
+    if module is None or source is None:
+        return None
+    module.SCHEMA = source       # its load_schema() corrects whichever file it reads
+    return module.validators(module.load_schema())
 
 
 def load_validator():
@@ -77,7 +96,8 @@ def load_validator():
 
 
 def schema(doc: dict) -> list[str] | None:
-    """Argo v4.1.2 JSON schema problems; None when the validator is not available."""
+    """Argo's JSON schema problems (the first of ARGO_SCHEMAS found); None when neither the
+    validator nor a schema is available."""
     validators = _validators()
     if validators is None:
         return None
@@ -88,16 +108,17 @@ def schema(doc: dict) -> list[str] | None:
 
 @functools.lru_cache(maxsize=1)
 def _crd_validator():
-    if not PYTORCHJOB_CRD.is_file():
+    source = first_file(PYTORCHJOB_CRDS)
+    if source is None:
         return None
-    crd = yaml.safe_load(PYTORCHJOB_CRD.read_text())
+    crd = yaml.safe_load(source.read_text())
     version = next(v for v in crd["spec"]["versions"] if v.get("storage"))
     return Draft7Validator(version["schema"]["openAPIV3Schema"])
 
 
 def crd(doc: dict) -> list[str] | None:
-    """Every PyTorchJob a resource template creates, against the operator's CRD (v1.9.0);
-    None when the CRD is not available."""
+    """Every PyTorchJob a resource template creates, against the operator's CRD (the first of
+    PYTORCHJOB_CRDS found); None when none is available."""
     validator = _crd_validator()
     if validator is None:
         return None
@@ -108,6 +129,20 @@ def crd(doc: dict) -> list[str] | None:
             problems.append(f"crd: template {tmpl['name']} PyTorchJob at {where}: "
                             f"{e.message[:160]}")
     return problems
+
+
+def _source_note(name: str, found: list[str] | None) -> list[str]:
+    """A note when check ``name`` did not run against the reference of the version that ran:
+    skipped (nothing to check against), or checked against the copy in ../shared."""
+    version, paths = REFERENCES[name]
+    if found is None:
+        return [f"{name}: skipped, none of {', '.join(map(str, paths))} is there"
+                + ("" if name == "crd" or VALIDATOR.is_file() else f" (nor {VALIDATOR})")]
+    used = first_file(paths)
+    if used != paths[0]:
+        return [f"{name}: checked against {used.name}, not {version}'s own ({paths[0]} is "
+                f"missing: bash cluster/build.sh argo training-operator downloads it)"]
+    return []
 
 
 def _templates(doc: dict) -> dict[str, dict]:
@@ -252,14 +287,10 @@ def project_rules(doc: dict, env: dict | None = None) -> list[str]:
 
 def lint(doc: dict, env: dict | None = None) -> tuple[list[str], list[str]]:
     """All checks; returns (problems, notes)."""
-    problems = round_trip(doc)
-    notes = []
-    for name, found, path in (("schema", schema(doc), VALIDATOR),
-                              ("crd", crd(doc), PYTORCHJOB_CRD)):
-        if found is None:
-            notes.append(f"{name}: skipped, {path} is absent")
-        else:
-            problems += found
+    problems, notes = round_trip(doc), []
+    for name, found in (("schema", schema(doc)), ("crd", crd(doc))):
+        problems += found or []
+        notes += _source_note(name, found)
     problems += project_rules(doc, env)
     found, more = pod_rules(doc)
     return problems + found, notes + more
