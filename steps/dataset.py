@@ -145,6 +145,13 @@ def open_cases(dataset_dir: Path | str, meta: dict[str, Any],
             raise StepError(f"{where}: image {image.dtype} {list(image.shape)} and label "
                             f"{label.dtype} {list(label.shape)} are not (C={channels}, D, H, W) "
                             f"{meta.get('image_dtype')} and (D, H, W) uint8")
+        # preprocess pads every case in-plane to at least patch_size, which train has checked
+        # against the network's depth; a smaller slice could reach a 1x1 deepest level, where
+        # instance norm has nothing to normalise (torch refuses it even in eval).
+        if any(got < want for got, want in zip(image.shape[2:], meta["patch_size"])):
+            raise StepError(f"{where}: slices of {image.shape[2]}x{image.shape[3]} are smaller "
+                            f"than patch_size {meta['patch_size'][0]}x{meta['patch_size'][1]}, "
+                            "to which preprocess pads every case")
         cases.append(Case(name=name, image=image, label=label,
                           spacing=tuple(entry["spacing"])))
     return cases

@@ -1,11 +1,11 @@
-"""Trust no input, round 3 (issue 37), the classes done so far: 1 a model is untrusted at run
-time, 2 a planted cache folder, 3 a
-step deletes only what it made, 4 no secret in any error line, 5 a slow server, 6 redirects stay on the
-schemes we speak, 8 error lines are lines, 9 the cases left from the earlier sets. Each
-refusal is exit 2 with exactly one ``error:`` line at the start of a line, no traceback, no
-secret."""
+"""Trust no input, round 3 (issue 37), each class: 1 a model is untrusted at run time, 2 a
+planted cache folder, 3 a step deletes only what it made, 4 no secret in any error line, 5 a
+slow server, 6 redirects stay on the schemes we speak, 7 the config means what it says, 8 error
+lines are lines, 9 the cases left from the earlier sets. Each refusal is exit 2 with exactly
+one ``error:`` line at the start of a line, no traceback, no secret."""
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -16,10 +16,11 @@ import pytest
 from tqdm import tqdm
 
 from conftest import REPO, assert_one_error_line
-from steps import checkpoints, convert, download, predict, storage
+from steps import checkpoints, convert, download, predict, storage, train
 from steps.artifacts import write_manifest
 from steps.errors import StepError, one_line, run_main
 from test_untrusted_inputs import _handler, _Http, call, nifti_file, onnx_model, refused
+from train_data import make_dataset
 from workflows import cli
 
 CONFIG = (REPO / "config" / "pipeline.yaml").read_text()
@@ -317,6 +318,24 @@ def test_a_binary_latest_pointer_is_one_line(tmp_path, capsys):
     store.write_bytes(checkpoints.LATEST, b"c" * 100)
     with pytest.raises(StepError, match="more than the 64 allowed"):
         store.latest_name()
+
+
+def test_a_case_smaller_than_the_patch_is_refused_before_training(tmp_path, capsys):
+    """A dataset whose validation case is 8x8 in-plane (preprocess pads every case to the
+    patch): validation reached a 1x1 deepest level and torch's instance norm raised."""
+    dataset = make_dataset(tmp_path / "data", 5, "48x48x24", 0, "64x64")
+    meta = json.loads((dataset / "dataset.json").read_text())
+    case = next(c for c in meta["cases"] if c["name"] == meta["folds"][0]["val"][0])
+    image, label = np.load(dataset / case["image"]), np.load(dataset / case["label"])
+    np.save(dataset / case["image"], np.ascontiguousarray(image[:, :, :8, :8]))
+    np.save(dataset / case["label"], np.ascontiguousarray(label[:, :8, :8]))
+    case["shape"] = [image.shape[0], image.shape[1], 8, 8]
+    (dataset / "dataset.json").write_text(json.dumps(meta))
+    write_manifest(dataset, "dataset", "preprocess", {})
+    refused(train.main, ["--dataset", dataset, "--model", tmp_path / "model", "--device", "cpu",
+                         "--max-epochs", "1", "--steps-per-epoch", "1", "--fold", "0"], capsys,
+            f"case '{case['name']}': slices of 8x8 are smaller than patch_size 64x64")
+    assert not (tmp_path / "model").exists()
 
 
 @pytest.mark.parametrize("name", ["label", "label.txt", "label.nii.gz.tmp", "label.gz"])
