@@ -122,6 +122,21 @@ def test_lint_names_a_skipped_check_and_strict_fails_on_it(capsys, monkeypatch):
     assert ": ok" not in out and out.count("error: schema: skipped") == 2
 
 
+def test_lint_without_the_repositorys_pins_still_runs_and_says_so():
+    """Installed without this repository (no cluster/lib.sh): lint imports, and where no
+    schema of a pinned version can be found it names what it used or skipped."""
+    code = ("from pathlib import Path\nimport workflows.versions as v\n"
+            "v.LIB_SH = Path('/nonexistent/lib.sh')\nfrom workflows import lint\n"
+            "from workflows.unet import build\nfrom workflows.config import load_config\n"
+            "problems, notes = lint.lint(build(load_config(None, None, [])).to_dict())\n"
+            "print(lint.ARGO_VERSION, problems, [n.split(':')[0] for n in notes])")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split(" ", 1)[0] == "unpinned", done.stdout
+    assert "'schema'" in done.stdout and "'crd'" in done.stdout, done.stdout
+
+
 def test_dag_wiring_and_artifacts():
     doc = _doc()
     t = _templates(doc)

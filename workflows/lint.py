@@ -26,7 +26,10 @@ VALIDATOR = REPO_ROOT.parent / "shared" / "tools" / "validate_argo.py"
 # What lint checks against: the JSON schema and the PyTorchJob CRD of the versions that ran
 # (cluster/lib.sh), from their modules; where cluster/build.sh has not downloaded those, the
 # copies in ../shared (Argo v4.1.2, training operator v1.9.0), named in a note.
-ARGO_VERSION, OPERATOR_VERSION = pin("ARGO_VERSION"), pin("TRAINING_OPERATOR_VERSION")
+try:
+    ARGO_VERSION, OPERATOR_VERSION = pin("ARGO_VERSION"), pin("TRAINING_OPERATOR_VERSION")
+except LookupError:     # the package installed without the repository: no pins, no modules
+    ARGO_VERSION = OPERATOR_VERSION = "unpinned"
 ARGO_SCHEMAS = (module_file("github.com/argoproj/argo-workflows/v4", ARGO_VERSION,
                             "api/jsonschema/schema.json"),
                 REPO_ROOT.parent / "shared" / "argo" / "workflow-schema-v4.1.2.json")

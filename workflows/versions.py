@@ -11,7 +11,12 @@ LIB_SH = Path(__file__).resolve().parent.parent / "cluster" / "lib.sh"
 
 
 def _assignment(name: str, pattern: str) -> str:
-    found = re.search(rf"^{name}={pattern}", LIB_SH.read_text(), re.M)
+    """LookupError when cluster/lib.sh does not set ``name``, or is not there (an install of
+    the package without this repository)."""
+    try:
+        found = re.search(rf"^{name}={pattern}", LIB_SH.read_text(), re.M)
+    except OSError as exc:
+        raise LookupError(f"cannot read {LIB_SH}: {exc.strerror}") from None
     if found is None:
         raise LookupError(f"cluster/lib.sh sets no {name}")
     return found.group(1)
