@@ -117,9 +117,7 @@ build_coredns() {
 }
 
 argo_module() {  # the Argo module's folder in the module cache (downloaded if needed)
-  local v; v="$(argo_version)"
-  go mod download "github.com/argoproj/argo-workflows/v4@$v"
-  go list -m -f '{{.Dir}}' "github.com/argoproj/argo-workflows/v4@$v"
+  module_dir "github.com/argoproj/argo-workflows/v4@$(argo_version)"
 }
 
 # The lockfile's git dependency is argo-ui; where GitHub cannot be reached it is pointed at the
@@ -205,19 +203,10 @@ build_training_operator() {
 
 build_training_operator_image() {
   # Its Dockerfile (build/images/training-operator): the binary as /manager, its entrypoint,
-  # run as the base's root user as upstream's distroless/static:latest does; on our Debian base.
-  local d="$1" ctx="$1/ctx"
-  [[ -x "$OPERATOR_DIR/bin/training-operator" && -f "$IMAGES_DIR/debian.tar" ]] \
-    || die "build training-operator and images first"
-  ensure_podman; mkdir -p "$ctx"
-  podman image exists "localhost/unet-cluster/debian:$DEBIAN_SUITE" \
-    || podman load -q -i "$IMAGES_DIR/debian.tar" > /dev/null
-  cp "$OPERATOR_DIR/bin/training-operator" "$ctx/manager"
-  printf 'FROM localhost/unet-cluster/debian:%s\nCOPY manager /manager\nENTRYPOINT ["/manager"]\n' \
-    "$DEBIAN_SUITE" > "$ctx/Containerfile"
-  podman build -q -t "$OPERATOR_IMAGE" "$ctx" > /dev/null
-  podman save -q -o "$d/training-operator.tar" "$OPERATOR_IMAGE"
-  rm -rf "$ctx"
+  # run as root as upstream's distroless/static:latest does.
+  [[ -x "$OPERATOR_DIR/bin/training-operator" ]] || die "build training-operator first"
+  debian_image "$OPERATOR_IMAGE" "$1/training-operator.tar" "$OPERATOR_DIR/bin/training-operator" \
+    /manager 0
 }
 
 ensure_podman() {
@@ -241,26 +230,34 @@ build_images() {  # pause (sandbox image) and a Debian base that is also the hel
   rm -rf "$ctx"
 }
 
-build_argo_images() {
-  # Argo's three images (its Dockerfile's targets argoexec, workflow-controller and argocli) from
-  # the binaries of the argo stage, on our Debian base (theirs is distroless, which no registry
-  # here serves); the controller and the CLI as Argo's uid 8737, as its images run them.
-  local d="$1" v ctx="$1/ctx" image name bin uid
-  v="$(argo_version)"
-  [[ -x "$(argo_dir)/bin/argoexec" && -f "$IMAGES_DIR/debian.tar" ]] || die "build argo and images first"
+# debian_image TAG TAR BINARY PATH UID: BINARY at PATH, its entrypoint, run as UID, on the
+# cluster's Debian base (the upstream images' distroless bases are served by no registry here);
+# built by podman and saved to TAR.
+debian_image() {
+  local ctx; ctx="$(dirname "$2")/ctx"
+  [[ -f "$IMAGES_DIR/debian.tar" ]] || die "build images first"
   ensure_podman
   podman image exists "localhost/unet-cluster/debian:$DEBIAN_SUITE" \
     || podman load -q -i "$IMAGES_DIR/debian.tar" > /dev/null
+  rm -rf "$ctx"; mkdir -p "$ctx"; cp "$3" "$ctx/binary"
+  printf 'FROM localhost/unet-cluster/debian:%s\nCOPY binary %s\nUSER %s\nENTRYPOINT ["%s"]\n' \
+    "$DEBIAN_SUITE" "$4" "$5" "$4" > "$ctx/Containerfile"
+  podman build -q -t "$1" "$ctx" > /dev/null
+  podman save -q -o "$2" "$1"
+  rm -rf "$ctx"
+}
+
+build_argo_images() {
+  # Argo's three images (its Dockerfile's targets argoexec, workflow-controller and argocli) from
+  # the binaries of the argo stage; the controller and the CLI as Argo's uid 8737, as its images
+  # run them.
+  local d="$1" v image name bin uid
+  v="$(argo_version)"
+  [[ -x "$(argo_dir)/bin/argoexec" ]] || die "build argo first"
   for image in argoexec:argoexec:0 workflow-controller:workflow-controller:8737 argocli:argo:8737; do
     IFS=: read -r name bin uid <<< "$image"
-    rm -rf "$ctx"; mkdir -p "$ctx"
-    cp "$(argo_dir)/bin/$bin" "$ctx/$bin"
-    printf 'FROM localhost/unet-cluster/debian:%s\nCOPY %s /bin/%s\nUSER %s\nENTRYPOINT ["%s"]\n' \
-      "$DEBIAN_SUITE" "$bin" "$bin" "$uid" "$bin" > "$ctx/Containerfile"
-    podman build -q -t "localhost/unet-cluster/$name:$v" "$ctx" > /dev/null
-    podman save -q -o "$d/$name.tar" "localhost/unet-cluster/$name:$v"
+    debian_image "localhost/unet-cluster/$name:$v" "$d/$name.tar" "$(argo_dir)/bin/$bin" "/bin/$bin" "$uid"
   done
-  rm -rf "$ctx"
 }
 
 stages=("$@"); [[ ${#stages[@]} -gt 0 ]] || stages=(etcd kubernetes kube-proxy cni-plugins coredns images ui argo argo-images)

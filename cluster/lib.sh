@@ -65,6 +65,18 @@ guard() {
   done
 }
 die() { log "ERROR: $*"; exit 1; }
+# module_dir MODULE@VERSION: its folder in the Go module cache, downloaded if needed.
+module_dir() {
+  go mod download -json "$1" | sed -n 's/^\s*"Dir": "\(.*\)",$/\1/p'
+}
+# module_manifests MODULE@VERSION DIR: DIR afresh, holding a writable copy of the module's
+# manifests/ (kustomize takes no absolute path: a kustomization beside it names manifests/...).
+module_manifests() {
+  local src; src="$(module_dir "$1")"
+  [[ -d "$src/manifests" ]] || die "no manifests/ in $1 (${src:-not downloaded})"
+  rm -rf "$2"; mkdir -p "$2"
+  cp -r "$src/manifests" "$2/manifests"; chmod -R u+w "$2/manifests"
+}
 
 argo_version() { echo "$ARGO_VERSION"; }   # one pin, no guessing: what ran is what is cached
 

@@ -45,13 +45,9 @@ podman image exists "$OPERATOR_IMAGE" \
   || podman load -q -i "$OPERATOR_IMAGE_DIR/training-operator.tar" > /dev/null
 bash "$here/load-image.sh" "$INIT_IMAGE" "$OPERATOR_IMAGE"
 
-# The overlay from the module (kustomize takes no absolute path: a copy beside a kustomization).
-src="$(go mod download -json "github.com/kubeflow/training-operator@$TRAINING_OPERATOR_VERSION" \
-  | sed -n 's/^\s*"Dir": "\(.*\)",$/\1/p')"
-[[ -f "$src/manifests/overlays/standalone/kustomization.yaml" ]] || die "no standalone overlay in $src"
+# The overlay from the module, in a copy beside our kustomization.
 install="$STATE/operator-install"
-rm -rf "$install"; mkdir -p "$install"
-cp -r "$src/manifests" "$install/manifests"; chmod -R u+w "$install/manifests"
+module_manifests "github.com/kubeflow/training-operator@$TRAINING_OPERATOR_VERSION" "$install"
 cat > "$install/kustomization.yaml" <<EOF
 apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization

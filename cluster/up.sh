@@ -390,11 +390,8 @@ kc -n argo create secret tls argo-server-tls --cert="$ARGO_PKI/tls.crt" --key="$
 # server is given the certificate above, the one thing Argo's TLS docs have a user add. The
 # server runs with its defaults otherwise, --auth-mode=client among them: every call acts with
 # the caller's own token (server/auth/gatekeeper.go); no token is a 401.
-argo_src="$(go mod download -json "github.com/argoproj/argo-workflows/v4@$ARGO_V" | sed -n 's/^\s*"Dir": "\(.*\)",$/\1/p')"
-need_built "$argo_src/manifests/cluster-install/kustomization.yaml"
-install="$STATE/argo-install"   # kustomize takes no absolute path: a copy of the module's manifests
-rm -rf "$install"; mkdir -p "$install"
-cp -r "$argo_src/manifests" "$install/manifests"; chmod -R u+w "$install/manifests"
+install="$STATE/argo-install"
+module_manifests "github.com/argoproj/argo-workflows/v4@$ARGO_V" "$install"
 cat > "$install/kustomization.yaml" <<EOF
 apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization

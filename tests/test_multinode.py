@@ -239,8 +239,8 @@ def test_no_compiled_retry_has_a_cap_it_cannot_reach():
 # ---- on the real operator ---------------------------------------------------------------------
 # The single-node cluster's fixtures (cluster up, our image loaded, S3, the namespace as the
 # README deploys it) come from tests/real_cluster.py through tests/conftest.py.
-from real_cluster import (BUCKET, NAMESPACE, _script, _skip, api, compiled,  # noqa: E402
-                          keys, kubectl, template, text, unique, until, wait)
+from real_cluster import (BUCKET, CACHE, NAMESPACE, _script, _skip, api,  # noqa: E402
+                          compiled, keys, kubectl, template, text, unique, until, wait)
 from workflows.versions import pin  # noqa: E402
 
 def on_the_operator(test):
@@ -250,7 +250,6 @@ def on_the_operator(test):
 
 CONTAINERD = "/run/unet-cluster/containerd/containerd.sock"   # cluster/lib.sh CONTAINERD_SOCK
 
-CACHE = Path(os.environ.get("UNET_CLUSTER_CACHE", Path.home() / ".cache" / "unet-cluster"))
 # 2 replicas x 1 CPU process (gloo) on the 2-core, 24 GiB node of the cluster profile.
 MULTI = ("resources.train.nodes=2", "train.devices=1")
 JOB_WAIT_S = 1200
@@ -322,11 +321,12 @@ def dry_run(job: dict) -> str:
 
 
 @on_the_operator
-def test_the_operators_webhook_admits_the_compiled_job_and_refuses_two_masters(operator):
+def test_the_operators_webhook_admits_the_compiled_job_and_refuses_two_masters(operator, argo):
     """The install registers the operator's validating webhook, which the API server calls
     through the operator's Service with the CA its cert rotator filled in. The compiled job
     (Argo's placeholders filled in as the controller would) passes it; with two masters it is
-    refused by it (pkg/webhooks/pytorch: "must be 1")."""
+    refused by it (pkg/webhooks/pytorch: "must be 1"). In the pipeline's namespace (``argo``
+    deploys it), where the job would be created."""
     hooks = json.loads(kubectl("get", "validatingwebhookconfiguration", WEBHOOK, "-o", "json"))
     hook = next(h for h in hooks["webhooks"] if h["name"].startswith("validator.pytorchjob."))
     assert hook["clientConfig"]["service"]["name"] == "training-operator"
@@ -338,7 +338,7 @@ def test_the_operators_webhook_admits_the_compiled_job_and_refuses_two_masters(o
     assert said.strip().endswith("created (server dry run)"), said
     job["spec"]["pytorchReplicaSpecs"]["Master"]["replicas"] = 2
     said = dry_run(job)
-    assert f'admission webhook "validator.pytorchjob.{WEBHOOK.split(".", 1)[1]}" denied' in said
+    assert 'admission webhook "validator.pytorchjob.training-operator.kubeflow.org" denied' in said
     assert "Master].replicas: Forbidden: must be 1" in said, said
 
 
