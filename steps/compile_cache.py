@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import sys
+import time
 from typing import Any
 
 import torch
@@ -49,9 +50,17 @@ class CompileCache:
         self.name = f"{PREFIX}{cache_key(info, settings)}.bin"
         self.restored = False
         self.saved = False
+        self.load_s = 0.0             # reading the blob and filling the local caches
 
     def load(self) -> bool:
         """Fill torch's local caches from the store's blob; whether one was used."""
+        started = time.monotonic()
+        try:
+            return self._load()
+        finally:
+            self.load_s = time.monotonic() - started
+
+    def _load(self) -> bool:
         try:
             data = self.store.read_bytes(self.name, limit=MAX_BYTES)
         except StepError as exc:

@@ -653,10 +653,14 @@ class Trainer:
         if cache is not None and self.rank == 0 and not cache.restored:
             cache.save()
         if self.rank == 0:
-            state = "off" if cache is None else "restored" if cache.restored else \
-                "saved" if cache.saved else "not saved"
-            print(f"train: first step {self.first_step_s:.1f} s (compile cache {state})",
-                  file=sys.stderr)
+            print(f"train: first step {self.first_step_s:.1f} s (compile cache "
+                  f"{self.compile_cache_state()})", file=sys.stderr)
+
+    def compile_cache_state(self) -> str:
+        """What this process did with the compile cache: off, restored, saved, not saved."""
+        cache = self.compile_cache
+        return "off" if cache is None else "restored" if cache.restored else \
+            "saved" if cache.saved else "not saved"
 
     def validate(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         self.net.eval()
@@ -728,7 +732,10 @@ def write_model(plan: Plan, trainer: Trainer, samples: list[dict[str, Any]]) -> 
                "best_dice": best["dice"], "device": trainer.info.kind,
                "precision": trainer.info.precision, "world_size": trainer.world,
                "steps_per_epoch": trainer.steps_per_epoch, "fold": plan.args.fold,
-               "first_step_s": trainer.first_step_s}
+               "first_step_s": trainer.first_step_s,
+               "compile_cache": trainer.compile_cache_state(),
+               "compile_cache_load_s": trainer.compile_cache.load_s
+               if trainer.compile_cache is not None else 0.0}
     with publish(plan.args.model, "model", STEP, train_config(plan.args)) as out:
         torch.save(model_payload(plan, trainer.best_state, {**metrics, "epoch": best}),
                    out / "best.pt")

@@ -33,6 +33,7 @@ _PROCESS = textwrap.dedent("""
     value = float(step(torch.arange(8.0) - 3))
     saved = False if restored else cache.save()
     print(json.dumps({"restored": restored, "saved": saved, "value": value,
+                      "load_s": cache.load_s,
                       "hits": counters["inductor"]["fxgraph_cache_hit"],
                       "misses": counters["inductor"]["fxgraph_cache_miss"]}))
 """)
@@ -56,6 +57,7 @@ def test_a_retry_in_a_new_pod_compiles_from_the_saved_cache(tmp_path):
     assert len(blobs) == 1 and blobs[0].stat().st_size > 0
     retry = _process(store, tmp_path / "pod-2")          # empty local caches
     assert retry["restored"] and retry["hits"] >= 1 and retry["misses"] == 0
+    assert 0 < retry["load_s"] < 60     # timed: a retry's first step counts it (issue 36)
     assert retry["value"] == cold["value"] == 25.0
     assert "compile cache" in retry["stderr"] and "loaded" in retry["stderr"]
 

@@ -50,7 +50,7 @@ def test_cpu_run_learns_and_publishes_the_model_artifact(dataset, tmp_path):
     assert last["loss"] < metrics["epochs"][0]["loss"]
     assert set(last["dice"]) == {"1", "2", "3"}
     assert last["device"] == "cpu" and last["world_size"] == 1 and last["img_per_s"] > 0
-    assert 0 < metrics["first_step_s"] < 60
+    assert 0 < metrics["first_step_s"] < 60 and metrics["compile_cache"] == "off"
     assert f"train: first step {metrics['first_step_s']:.1f} s (compile cache off)" in done.stderr
 
     best = load(model / "best.pt")

@@ -1,0 +1,317 @@
+"""Issue 36's acceptance run in one call on a lent GPU machine, and its record.
+
+    python -m benchmarks.gpu_session OUT_DIR [--seconds 540] [--smoke]
+
+Each stage is a child process with its own time limit and its output in
+``OUT_DIR/session.log``, so that the call ends inside the device's 10-minute limit and what
+finished comes back:
+
+1. ``versions``: the card, driver, torch, CUDA and cuDNN versions, the host CPU;
+2. ``dataset``: the benchmarks' default dataset (5 cases, 192x160 patches), by steps.preprocess;
+3. ``cold``: ``steps.train`` by default (batch 64, 8 workers) with a checkpoint store, from
+   empty compile caches: its first step cold, and the compile cache it saves to the store;
+4. ``retry``: the same command as an Argo retry runs it, a new pod (empty local caches, the
+   same store) asking for two epochs more: it resumes and loads the compile cache (its first
+   step warm), and its last epoch is ``steps.train``'s own in the steady state;
+5. ``benchmark``: ``python -m benchmarks gpu`` with the time left, from the cold run's local
+   caches: the default and eager (``UNET_GPU_VARIANTS`` chooses others) in interleaved rounds,
+   end to end and compute only, each round written to ``gpu-rounds.json`` as it ends.
+
+``OUT_DIR/gpu-result.json`` then holds every stage's figures, the rows, and the verdict on
+each acceptance point (:func:`acceptance`). ``--smoke`` runs the same stages on the CPU with
+tiny shapes: it proves the plumbing; a CPU run gives no verdict.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks import gpu
+from benchmarks.common import Row, Settings
+from benchmarks.trainstep import NVIDIA_A100_AMP_IMG_S, NVIDIA_CARD
+
+ROOT = Path(__file__).resolve().parents[1]
+RETRY_FIRST_STEP_S = 10.0     # issue 36: the first step of a retry, compile cache restored
+RECORD_S = 15                 # kept back for the record at the end
+STOP_GRACE_S = 20             # SIGTERM to SIGKILL for a stage past its limit
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the stages run: the anchors' network at batch 64 on CUDA, or tiny on the CPU."""
+    device: str
+    batch: int
+    workers: int
+    steps: int                # per epoch, in the cold and retry runs
+    bench_steps: int          # per epoch of each benchmark round
+    rounds: int
+    settings: Settings
+
+    @classmethod
+    def make(cls, smoke: bool, work: Path) -> "Sizes":
+        settings = Settings.make(smoke, work)
+        if smoke:
+            return cls("cpu", settings.gpu_batch, 2, 2, 3, 1, settings)
+        return cls("cuda", settings.gpu_batch, gpu.PROFILE_WORKERS, 100, 120, 5, settings)
+
+
+def versions(path: str) -> None:
+    """Write the machine's card, driver and library versions to ``path`` (a child process:
+    the session itself never starts CUDA)."""
+    smi = shutil.which("nvidia-smi")
+    card = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total",
+                           "--format=csv,noheader"], capture_output=True, text=True,
+                          timeout=30).stdout.strip() if smi else None
+    cpu = next((line.split(":", 1)[1].strip() for line in
+                Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    facts = {"nvidia_smi": card, "torch": torch.__version__, "cuda": torch.version.cuda,
+             "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+             "card": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+             "python": platform.python_version(), "cpu": cpu, "cores": os.cpu_count()}
+    Path(path).write_text(json.dumps(facts, indent=1) + "\n")
+
+
+def run_stage(log: Path, name: str, limit: float, argv: list[str],
+              env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``argv`` from the repository's root for at most ``limit`` seconds, its output
+    appended to ``log``; past the limit its whole process group gets SIGTERM (the steps
+    clean up on it), then SIGKILL. Returns the stage's name, exit status and seconds."""
+    start = time.monotonic()
+    with log.open("a") as out:
+        print(f"== {name}: {' '.join(argv)}", file=out, flush=True)
+        child = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                 start_new_session=True)
+        try:
+            status: int | str = child.wait(timeout=max(1.0, limit))
+        except subprocess.TimeoutExpired:
+            _stop_group(child)
+            status = "timeout"
+        seconds = round(time.monotonic() - start, 1)
+        print(f"== {name}: exit {status} after {seconds} s", file=out, flush=True)
+    print(f"gpu_session: {name}: exit {status} after {seconds} s", file=sys.stderr, flush=True)
+    return {"stage": name, "exit": status, "seconds": seconds, "limit_s": round(limit)}
+
+
+def _stop_group(child: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, None)):
+        try:
+            os.killpg(child.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            child.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def train_argv(sizes: Sizes, dataset: Path, model: Path, store: Path, epochs: int) -> list[str]:
+    """``steps.train`` as the cold run and its retry run it: its defaults, the sizes."""
+    s = sizes.settings
+    return [sys.executable, "-m", "steps.train", "--dataset", str(dataset), "--model",
+            str(model), "--device", sizes.device, "--batch-size", str(sizes.batch),
+            "--num-workers", str(sizes.workers), "--max-epochs", str(epochs),
+            "--steps-per-epoch", str(sizes.steps), "--checkpoint-uri", str(store),
+            "--base-filters", str(s.base_filters), "--levels", str(s.levels)]
+
+
+def caches(work: Path, name: str) -> dict[str, str]:
+    """Inductor's and Triton's local caches in their own empty folders (a pod's)."""
+    return {"TORCHINDUCTOR_CACHE_DIR": str(work / f"inductor-{name}"),
+            "TRITON_CACHE_DIR": str(work / f"triton-{name}")}
+
+
+def session(out: Path, seconds: float, smoke: bool) -> dict[str, Any]:
+    """Every stage in turn within ``seconds``, then the record (returned and written)."""
+    begin = time.monotonic()
+    work = Path(os.environ.get("GPU_WORK", "/tmp/unet-gpu")) / ("smoke" if smoke else "full")
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    log, sizes = out / "session.log", Sizes.make(smoke, work)
+    dataset, store = work / "dataset-default", work / "checkpoints"
+    for stale in ("model-cold", "model-retry", "checkpoints", "inductor-cold", "triton-cold",
+                  "inductor-retry", "triton-retry"):
+        shutil.rmtree(work / stale, ignore_errors=True)
+
+    def left() -> float:
+        return seconds - (time.monotonic() - begin) - RECORD_S
+
+    stages = [run_stage(log, "versions", 60, [sys.executable, "-c",
+                        "import sys; from benchmarks.gpu_session import versions; "
+                        "versions(sys.argv[1])", str(out / "versions.json")])]
+    stages.append(run_stage(log, "dataset", 120, [
+        sys.executable, "-c", "import sys; from pathlib import Path; "
+        "from benchmarks.common import Settings, dataset_dir; "
+        "dataset_dir(Settings.make(sys.argv[2] == 'smoke', Path(sys.argv[1])))",
+        str(work), "smoke" if smoke else "full"]))
+    stages.append(run_stage(log, "cold", min(200, left()), train_argv(
+        sizes, dataset, work / "model-cold", store, 1), caches(work, "cold")))
+    stages.append(run_stage(log, "retry", min(100, left()), train_argv(
+        sizes, dataset, work / "model-retry", store, 3), caches(work, "retry")))
+    for run in ("cold", "retry"):
+        if (work / f"model-{run}" / "metrics.json").is_file():
+            shutil.copy(work / f"model-{run}" / "metrics.json", out / f"metrics-{run}.json")
+    budget = left() - 30
+    stages.append(run_stage(log, "benchmark", budget + 25, [
+        sys.executable, "-m", "benchmarks", "gpu", "--workdir", str(work), "--out",
+        str(out / "gpu-benchmark.json"), *(["--smoke"] if smoke else [])],
+        {**caches(work, "cold"), "UNET_GPU_BUDGET_S": str(int(max(budget, 1))),
+         "UNET_GPU_ROUNDS": str(sizes.rounds), "UNET_GPU_EPOCH_STEPS": str(sizes.bench_steps),
+         "UNET_GPU_ROUNDS_FILE": str(out / "gpu-rounds.json"),
+         "UNET_GPU_VARIANTS": os.environ.get("UNET_GPU_VARIANTS", "default,eager")}))
+    result = record(out, stages, sizes)
+    (out / "gpu-result.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    return result
+
+
+# ------------------------------------------------------------------------------ the record
+
+def _read(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _median(values: list[float]) -> float | None:
+    return float(np.median(values)) if values else None
+
+
+def default_rounds(out: Path) -> dict[str, Any] | None:
+    """The variants' summaries: the benchmark's own, else the last rounds file (a benchmark
+    cut short at its limit)."""
+    bench = _read(out / "gpu-benchmark.json")
+    try:
+        return bench["benchmarks"]["gpu"]["details"]["ab"]["variants"]
+    except (TypeError, KeyError):
+        rounds = _read(out / "gpu-rounds.json")
+        return rounds["variants"] if rounds else None
+
+
+def _point(what: str, value: float | None, bound: str, on_gpu: bool) -> dict[str, Any]:
+    op, limit = bound.split()
+    met = None if value is None or not on_gpu else \
+        (value >= float(limit) if op == ">=" else value <= float(limit))
+    return {"what": what, "value": value, "bound": bound, "met": met}
+
+
+def acceptance(variants: dict | None, retry: dict | None, on_gpu: bool,
+               batch: int = 64) -> dict[str, Any]:
+    """Issue 36's acceptance points from the rounds and the retry's metrics: each with its
+    value, bound and ``met`` (None where unmeasured, or on the CPU), and ``all``."""
+    default = (variants or {}).get(gpu.DEFAULT) or {}
+    end, compute = default.get("end_to_end"), default.get("compute_only")
+    restored = bool(retry) and retry.get("compile_cache") == "restored"
+    points = {
+        "end_to_end": _point(f"steps.train default, end to end (data included), batch "
+                             f"{batch}, median of the interleaved rounds [img/s]", end,
+                             f">= {gpu.TARGET_IMG_S:g}", on_gpu),
+        "end_to_end_over_compute": _point(
+            "the same, over its compute-only median", end / compute if end and compute
+            else None, f">= {gpu.TARGET_OF_COMPUTE:g}", on_gpu),
+        "retry_first_step": _point(
+            "first step of a retry, with the load of the compile cache from the checkpoint "
+            "store [s]", retry_first_step(retry) if restored else None,
+            f"<= {RETRY_FIRST_STEP_S:g}", on_gpu)}
+    mets = [p["met"] for p in points.values()]
+    return {**points, "all": None if None in mets else all(mets)}
+
+
+def retry_first_step(metrics: dict) -> float:
+    """A run's first step with the load of its compile cache, which comes before it."""
+    return metrics["first_step_s"] + metrics.get("compile_cache_load_s", 0.0)
+
+
+def first_step_rows(cold: dict | None, retry: dict | None, where: str) -> list[Row]:
+    """The retry's first step (its cache's load included) against the acceptance's bound,
+    and against the cold one."""
+    if not retry or retry.get("compile_cache") != "restored" or not retry.get("first_step_s"):
+        return []
+    warm = retry_first_step(retry)
+    rows = [Row("gpu", f"first step of a retry (compile cache restored, its load included), "
+                       f"steps.train default, {where}", "s", warm, RETRY_FIRST_STEP_S,
+                "issue 36's bound", "<= 1")]
+    if cold and cold.get("first_step_s"):
+        rows.append(Row("gpu", f"first step of a retry vs cold (empty caches), {where}", "s",
+                        warm, cold["first_step_s"], "the cold first step"))
+    return rows
+
+
+def steady_epoch_rows(retry: dict | None, where: str) -> list[Row]:
+    """``steps.train``'s own last epoch of the retry (its first step was in the epoch
+    before), for information beside the benchmark's rounds."""
+    epochs = (retry or {}).get("epochs", [])
+    if len(epochs) < 3:
+        return []
+    return [Row("gpu", f"steps.train's own epoch {epochs[-1]['epoch']} (the retry's last, "
+                       f"steady), end to end (data included), {where}", "img/s",
+                epochs[-1]["img_per_s"], NVIDIA_A100_AMP_IMG_S,
+                f"NVIDIA's published figure ({NVIDIA_CARD})")]
+
+
+def record(out: Path, stages: list[dict], sizes: Sizes) -> dict[str, Any]:
+    """Everything the session measured, the rows and the acceptance, from ``out``'s files."""
+    facts = _read(out / "versions.json") or {}
+    on_gpu = sizes.device == "cuda" and bool(facts.get("card"))
+    where = f"batch {sizes.batch}, {facts.get('card') or sizes.device}"
+    cold, retry = _read(out / "metrics-cold.json"), _read(out / "metrics-retry.json")
+    variants = default_rounds(out)
+    bench = _read(out / "gpu-benchmark.json") or {}
+    rows = [Row(**{k: r[k] for k in ("benchmark", "metric", "unit", "ours", "baseline",
+                                     "baseline_name", "target")})
+            for r in bench.get("rows", [])] or gpu.rows(variants or {}, where)
+    rows += first_step_rows(cold, retry, where) + steady_epoch_rows(retry, where)
+    return {"what": "issue 36: python -m benchmarks.gpu_session", "smoke": sizes.device != "cuda",
+            "versions": facts, "stages": stages,
+            "cold": _run_summary(cold), "retry": _run_summary(retry),
+            "variants": variants, "profiles": (bench.get("benchmarks", {}).get("gpu", {})
+                                               .get("details", {}).get("ab", {})
+                                               .get("profiles")),
+            "rows": [r.to_dict() for r in rows],
+            "acceptance": acceptance(variants, retry, on_gpu, sizes.batch)}
+
+
+def _run_summary(metrics: dict | None) -> dict[str, Any] | None:
+    if not metrics:
+        return None
+    keep = ("epoch", "img_per_s", "seconds", "loss", "mean_dice")
+    return {"first_step_s": metrics.get("first_step_s"),
+            "compile_cache": metrics.get("compile_cache"),
+            "compile_cache_load_s": metrics.get("compile_cache_load_s"),
+            "epochs": [{k: e.get(k) for k in keep} for e in metrics.get("epochs", [])]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_session",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="folder for the log and the results")
+    parser.add_argument("--seconds", type=float, default=540,
+                        help="the whole session's wall time (default 540)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="on the CPU with tiny shapes: proves the stages, no verdict")
+    args = parser.parse_args(argv)
+    result = session(args.out, args.seconds, args.smoke)
+    for row in result["rows"]:
+        print(f"{row['metric']}: {row['ours']:.4g} {row['unit']} (ratio {row['ratio']:.3f}"
+              f"{', target ' + row['target'] + ': ' + row['verdict'] if row['target'] else ''})")
+    print("acceptance: " + json.dumps(result["acceptance"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

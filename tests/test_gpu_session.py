@@ -1,0 +1,134 @@
+"""benchmarks.gpu_session (issue 36's acceptance run on a lent GPU) and the GPU benchmark's
+round settings: the verdicts from synthetic figures, the fallback to the rounds file, a
+stage stopped at its limit, and the whole session on the CPU (--smoke, slow)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu, gpu_session
+from benchmarks.common import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _variants(end_to_end, compute_only):
+    return {"default": {"what": "the default", "end_to_end": end_to_end,
+                        "compute_only": compute_only}}
+
+
+@pytest.mark.parametrize("end, compute, first, cache, expected", [
+    (2600.0, 2800.0, 8.0, "restored", {"end_to_end": True, "end_to_end_over_compute": True,
+                                       "retry_first_step": True, "all": True}),
+    (2400.0, 2500.0, 8.0, "restored", {"end_to_end": False, "end_to_end_over_compute": True,
+                                       "retry_first_step": True, "all": False}),
+    (2600.0, 3000.0, 12.0, "restored", {"end_to_end": True, "end_to_end_over_compute": False,
+                                        "retry_first_step": False, "all": False}),
+    # a retry that compiled afresh says nothing about the cache: unmeasured, no verdict
+    (2600.0, 2800.0, 8.0, "saved", {"end_to_end": True, "end_to_end_over_compute": True,
+                                    "retry_first_step": None, "all": None}),
+])
+def test_acceptance_judges_each_point(end, compute, first, cache, expected):
+    verdict = gpu_session.acceptance(_variants(end, compute),
+                                     {"first_step_s": first, "compile_cache": cache}, True)
+    assert {k: (v if k == "all" else v["met"]) for k, v in verdict.items()} == expected
+    assert verdict["end_to_end_over_compute"]["value"] == pytest.approx(end / compute)
+
+
+def test_the_retrys_first_step_counts_the_load_of_its_cache():
+    retry = {"first_step_s": 8.5, "compile_cache": "restored", "compile_cache_load_s": 2.0}
+    point = gpu_session.acceptance(_variants(2600.0, 2800.0), retry, True)["retry_first_step"]
+    assert point["value"] == 10.5 and point["met"] is False
+
+
+def test_a_cpu_run_or_missing_rounds_give_no_verdict():
+    figures = _variants(2600.0, 2800.0)
+    retry = {"first_step_s": 8.0, "compile_cache": "restored"}
+    on_cpu = gpu_session.acceptance(figures, retry, on_gpu=False)
+    assert on_cpu["all"] is None and on_cpu["end_to_end"]["value"] == 2600.0
+    unmeasured = gpu_session.acceptance(None, None, on_gpu=True)
+    assert unmeasured["all"] is None and unmeasured["end_to_end"]["value"] is None
+
+
+def test_the_record_uses_the_rounds_file_when_the_benchmark_was_cut_short(tmp_path):
+    (tmp_path / "versions.json").write_text(json.dumps({"card": "NVIDIA H200"}))
+    (tmp_path / "gpu-rounds.json").write_text(json.dumps(
+        {"rounds_done": 2, "variants": _variants(2700.0, 2900.0)}))
+    (tmp_path / "metrics-retry.json").write_text(json.dumps(
+        {"first_step_s": 7.5, "compile_cache": "restored", "compile_cache_load_s": 1.5,
+         "epochs": []}))
+    (tmp_path / "metrics-cold.json").write_text(json.dumps(
+        {"first_step_s": 50.0, "compile_cache": "saved", "epochs": []}))
+    sizes = gpu_session.Sizes.make(False, tmp_path)
+    result = gpu_session.record(tmp_path, [], sizes)
+    assert result["acceptance"]["all"] is True
+    metrics = {row["metric"]: row for row in result["rows"]}
+    headline = next(r for m, r in metrics.items() if m.startswith("steps.train default, end to"
+                                                                   " end (data included)"))
+    assert "NVIDIA H200" in headline["metric"] and headline["verdict"] == "meets target"
+    retry = next(r for m, r in metrics.items() if m.startswith("first step of a retry ("))
+    assert retry["ours"] == 9.0 and retry["verdict"] == "meets target"   # the load counts
+
+
+def test_the_rows_targets_are_the_issues_bounds():
+    rows = gpu.rows(_variants(2499.0, 2600.0), "batch 64, cuda (card)")
+    assert rows[0].verdict == "MISSES target"       # 2499 img/s is under 2,500
+    assert gpu.rows(_variants(2500.1, 2600.0), "x")[0].verdict == "meets target"
+    assert rows[1].ratio == pytest.approx(2499.0 / 2600.0) and rows[1].target == ">= 0.9"
+
+
+def test_round_sizes_come_from_the_environment(monkeypatch, tmp_path):
+    full, smoke = Settings.make(False, tmp_path), Settings.make(True, tmp_path)
+    assert gpu.round_sizes(full) == (3, 60) and gpu.round_sizes(smoke) == (1, 4)
+    monkeypatch.setenv("UNET_GPU_ROUNDS", "5")
+    monkeypatch.setenv("UNET_GPU_EPOCH_STEPS", "120")
+    assert gpu.round_sizes(full) == (5, 120)
+    spec = gpu._spec(full, "cuda", tmp_path, ["--batch-size", "128"], True, 5)
+    assert spec["steps"] == 60 and spec["epochs"] == 8     # the same samples at batch 128
+    monkeypatch.setenv("UNET_GPU_ROUNDS", "0")
+    with pytest.raises(ValueError, match="UNET_GPU_ROUNDS='0'"):
+        gpu.round_sizes(full)
+
+
+def test_a_stage_past_its_limit_is_stopped_with_its_children(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_session, "STOP_GRACE_S", 2)
+    pid_file = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(60)']); open(sys.argv[1], 'w').write(str(child.pid)); "
+            "time.sleep(60)")
+    stage = gpu_session.run_stage(tmp_path / "log", "sleeper", 2,
+                                  [sys.executable, "-c", code, str(pid_file)])
+    assert stage["exit"] == "timeout" and stage["seconds"] < 15
+    grandchild = int(pid_file.read_text())
+    assert not Path(f"/proc/{grandchild}").exists() or \
+        Path(f"/proc/{grandchild}/stat").read_text().split()[2] == "Z"
+    assert "== sleeper: exit timeout" in (tmp_path / "log").read_text()
+
+
+@pytest.mark.slow
+def test_the_session_runs_every_stage_on_the_cpu(tmp_path):
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_session", str(out), "--smoke",
+                           "--seconds", "400"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "GPU_WORK": str(tmp_path / "work")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / "gpu-result.json").read_text())
+    assert [(s["stage"], s["exit"]) for s in result["stages"]] == [
+        (name, 0) for name in ("versions", "dataset", "cold", "retry", "benchmark")]
+    cold, retry = result["cold"], result["retry"]
+    assert len(cold["epochs"]) == 1 and len(retry["epochs"]) == 3
+    assert retry["epochs"][0] == cold["epochs"][0]          # resumed, not trained again
+    assert any(r["metric"].startswith("steps.train's own epoch 3 (the retry's last")
+               for r in result["rows"])
+    assert retry["first_step_s"] > 0 and retry["compile_cache"] == "off"   # CPU: no compile
+    assert result["variants"]["default"]["end_to_end"] > 0
+    assert json.loads((out / "gpu-rounds.json").read_text())["rounds_done"] == 1
+    assert result["acceptance"]["all"] is None and result["smoke"]
+    assert any(r["metric"].startswith("steps.train default, end to end") for r in result["rows"])
+    # what a lent machine sends back: at most 8 files (the device tool's limit)
+    assert len(list(out.iterdir())) <= 8
