@@ -18,7 +18,8 @@ finished comes back:
    end to end and compute only, each round written to ``gpu-rounds.json`` as it ends.
 
 ``OUT_DIR/gpu-result.json`` then holds every stage's figures, the rows, and the verdict on
-each acceptance point (:func:`acceptance`). ``--smoke`` runs the same stages on the CPU with
+each acceptance point (:func:`acceptance`), with the digest of the sources that ran (the one
+the CPU image is labelled with: pyproject.toml, .ci/constraints.txt, steps/). ``--smoke`` runs the same stages on the CPU with
 tiny shapes: it proves the plumbing; a CPU run gives no verdict.
 """
 from __future__ import annotations
@@ -42,6 +43,7 @@ import torch
 from benchmarks import gpu
 from benchmarks.common import Row, Settings
 from benchmarks.trainstep import NVIDIA_A100_AMP_IMG_S, NVIDIA_CARD
+from emulator.pods import source_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 RETRY_FIRST_STEP_S = 10.0     # issue 36: the first step of a retry, compile cache restored
@@ -108,16 +110,18 @@ def run_stage(log: Path, name: str, limit: float, argv: list[str],
 
 
 def _stop_group(child: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, None)):
+    """SIGTERM to the stage's process group, up to ``STOP_GRACE_S`` for its leader to end,
+    then SIGKILL to whatever of the group is left (a worker that outlived its parent)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(child.pid, sig)
         except ProcessLookupError:
-            return
+            break
         try:
-            child.wait(timeout=wait)
-            return
+            child.wait(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             continue
+    child.wait()
 
 
 def train_argv(sizes: Sizes, dataset: Path, model: Path, store: Path, epochs: int) -> list[str]:
@@ -277,7 +281,7 @@ def record(out: Path, stages: list[dict], sizes: Sizes) -> dict[str, Any]:
             for r in bench.get("rows", [])] or gpu.rows(variants or {}, where)
     rows += first_step_rows(cold, retry, where) + steady_epoch_rows(retry, where)
     return {"what": "issue 36: python -m benchmarks.gpu_session", "smoke": sizes.device != "cuda",
-            "versions": facts, "stages": stages,
+            "versions": facts, "sources": source_digest(), "stages": stages,
             "cold": _run_summary(cold), "retry": _run_summary(retry),
             "variants": variants, "profiles": (bench.get("benchmarks", {}).get("gpu", {})
                                                .get("details", {}).get("ab", {})

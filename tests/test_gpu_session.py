@@ -7,12 +7,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from benchmarks import gpu, gpu_session
 from benchmarks.common import Settings
+from emulator.pods import source_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,15 +100,24 @@ def test_round_sizes_come_from_the_environment(monkeypatch, tmp_path):
 def test_a_stage_past_its_limit_is_stopped_with_its_children(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_session, "STOP_GRACE_S", 2)
     pid_file = tmp_path / "child.pid"
+    # the stage's grandchild ignores SIGTERM, as a stuck worker might: SIGKILL ends it
     code = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', "
-            "'import time; time.sleep(60)']); open(sys.argv[1], 'w').write(str(child.pid)); "
+            "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "time.sleep(60)']); time.sleep(1); open(sys.argv[1], 'w').write(str(child.pid)); "
             "time.sleep(60)")
-    stage = gpu_session.run_stage(tmp_path / "log", "sleeper", 2,
+    stage = gpu_session.run_stage(tmp_path / "log", "sleeper", 3,
                                   [sys.executable, "-c", code, str(pid_file)])
     assert stage["exit"] == "timeout" and stage["seconds"] < 15
-    grandchild = int(pid_file.read_text())
-    assert not Path(f"/proc/{grandchild}").exists() or \
-        Path(f"/proc/{grandchild}/stat").read_text().split()[2] == "Z"
+    grandchild = Path(f"/proc/{int(pid_file.read_text())}/stat")
+    deadline = time.monotonic() + 10          # SIGKILL is delivered, not waited for
+    while grandchild.exists() and time.monotonic() < deadline:
+        try:
+            if grandchild.read_text().split()[2] == "Z":
+                break
+        except OSError:
+            break
+        time.sleep(0.1)
+    assert not grandchild.exists() or grandchild.read_text().split()[2] == "Z"
     assert "== sleeper: exit timeout" in (tmp_path / "log").read_text()
 
 
@@ -129,6 +140,7 @@ def test_the_session_runs_every_stage_on_the_cpu(tmp_path):
     assert result["variants"]["default"]["end_to_end"] > 0
     assert json.loads((out / "gpu-rounds.json").read_text())["rounds_done"] == 1
     assert result["acceptance"]["all"] is None and result["smoke"]
+    assert result["sources"] == source_digest()      # what ran, as the image labels it
     assert any(r["metric"].startswith("steps.train default, end to end") for r in result["rows"])
     # what a lent machine sends back: at most 8 files (the device tool's limit)
     assert len(list(out.iterdir())) <= 8
