@@ -1,6 +1,6 @@
 """Issue 36's acceptance run in one call on a lent GPU machine, and its record.
 
-    python -m benchmarks.gpu_session OUT_DIR [--seconds 540] [--smoke]
+    python -m benchmarks.gpu_session OUT_DIR [--seconds 520] [--smoke]
 
 Each stage is a child process with its own time limit and its output in
 ``OUT_DIR/session.log``, so that the call ends inside the device's 10-minute limit and what
@@ -19,8 +19,9 @@ finished comes back:
 
 ``OUT_DIR/gpu-result.json`` then holds every stage's figures, the rows, and the verdict on
 each acceptance point (:func:`acceptance`), with the digest of the sources that ran (the one
-the CPU image is labelled with: pyproject.toml, .ci/constraints.txt, steps/). ``--smoke`` runs the same stages on the CPU with
-tiny shapes: it proves the plumbing; a CPU run gives no verdict.
+the CPU image is labelled with: pyproject.toml, .ci/constraints.txt, steps/). ``--smoke``
+runs the same stages on the CPU with tiny shapes: it proves the plumbing; a CPU run gives no
+verdict.
 """
 from __future__ import annotations
 
@@ -37,7 +38,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from benchmarks import gpu
@@ -192,19 +192,23 @@ def _read(path: Path) -> Any:
         return None
 
 
-def _median(values: list[float]) -> float | None:
-    return float(np.median(values)) if values else None
+def benchmark_ab(out: Path) -> dict[str, Any]:
+    """The benchmark's interleaved rounds (variants and profiles); {} if it wrote none."""
+    bench = _read(out / "gpu-benchmark.json")
+    try:
+        return bench["benchmarks"]["gpu"]["details"]["ab"]
+    except (TypeError, KeyError):
+        return {}
 
 
 def default_rounds(out: Path) -> dict[str, Any] | None:
     """The variants' summaries: the benchmark's own, else the last rounds file (a benchmark
     cut short at its limit)."""
-    bench = _read(out / "gpu-benchmark.json")
-    try:
-        return bench["benchmarks"]["gpu"]["details"]["ab"]["variants"]
-    except (TypeError, KeyError):
-        rounds = _read(out / "gpu-rounds.json")
-        return rounds["variants"] if rounds else None
+    variants = benchmark_ab(out).get("variants")
+    if variants:
+        return variants
+    rounds = _read(out / "gpu-rounds.json")
+    return rounds["variants"] if rounds else None
 
 
 def _point(what: str, value: float | None, bound: str, on_gpu: bool) -> dict[str, Any]:
@@ -283,9 +287,7 @@ def record(out: Path, stages: list[dict], sizes: Sizes) -> dict[str, Any]:
     return {"what": "issue 36: python -m benchmarks.gpu_session", "smoke": sizes.device != "cuda",
             "versions": facts, "sources": source_digest(), "stages": stages,
             "cold": _run_summary(cold), "retry": _run_summary(retry),
-            "variants": variants, "profiles": (bench.get("benchmarks", {}).get("gpu", {})
-                                               .get("details", {}).get("ab", {})
-                                               .get("profiles")),
+            "variants": variants, "profiles": benchmark_ab(out).get("profiles"),
             "rows": [r.to_dict() for r in rows],
             "acceptance": acceptance(variants, retry, on_gpu, sizes.batch)}
 
@@ -304,8 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_session",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="folder for the log and the results")
-    parser.add_argument("--seconds", type=float, default=540,
-                        help="the whole session's wall time (default 540)")
+    parser.add_argument("--seconds", type=float, default=520,
+                        help="the whole session's wall time (default 520: a device call's "
+                             "10 minutes less the wheels' install and the transfers)")
     parser.add_argument("--smoke", action="store_true",
                         help="on the CPU with tiny shapes: proves the stages, no verdict")
     args = parser.parse_args(argv)
