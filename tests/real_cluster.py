@@ -33,6 +33,7 @@ from workflows.versions import pin
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "cluster"
 STATE = Path(os.environ.get("UNET_CLUSTER_STATE", "/var/lib/unet-cluster"))
+RUN_DIR = Path(os.environ.get("UNET_CLUSTER_RUN", "/run/unet-cluster"))
 KUBECONFIG = STATE / "pki" / "admin.conf"
 ARGO_URL = "https://127.0.0.1:2746"
 ARGO_CA = STATE / "pki" / "argo-server" / "ca.crt"   # made by cluster/up.sh
@@ -86,6 +87,12 @@ NEIGHBOUR_CHAIN = "KUBE-NEIGHBOUR-TEST"
 NEIGHBOUR_CGROUP = Path("/sys/fs/cgroup/pids/kubepods/neighbour-test")
 
 
+def _started_before() -> bool:
+    """Whether a cluster of an earlier run is up (``UNET_CLUSTER_KEEP=1``): up.sh's record of
+    the rules that were there before its first start, which down.sh spares, is taken."""
+    return (RUN_DIR / "before.rules").is_file()
+
+
 def _neighbour() -> list[str]:
     """Where the neighbour's chain and cgroup exist now."""
     found = [ipt for ipt in ("iptables", "ip6tables")
@@ -114,8 +121,15 @@ def cluster():
     if reason:
         _skip(reason)
     keep = os.environ.get("UNET_CLUSTER_KEEP") == "1"
-    if not keep:
+    # down.sh spares the rules that were there before the cluster's first start; a neighbour
+    # planted while a kept cluster runs would be taken for the cluster's own, so the
+    # neighbour is planted, and checked, only when the cluster starts from nothing (as in CI).
+    neighbour = not keep and not _started_before()
+    if neighbour:
         _plant_neighbour(True)
+    elif not keep:
+        print("real_cluster: a cluster of an earlier run is up; down.sh's neighbour check "
+              "needs a start from nothing, and is left out", file=sys.stderr)
     planted = _neighbour()
     try:   # down.sh also after a failed start: up.sh may have started some of it
         up = _script("up.sh", timeout=600)
@@ -130,7 +144,8 @@ def cluster():
         if not keep:
             down = _script("down.sh", timeout=300)
             left = _neighbour()
-            _plant_neighbour(False)
+            if neighbour:
+                _plant_neighbour(False)
             assert down.returncode == 0, f"cluster/down.sh: {_last_lines(down.stderr)}"
             assert left == planted, f"cluster/down.sh took a neighbour's {planted} (left {left})"
 
