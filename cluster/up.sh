@@ -33,9 +33,8 @@ wait_for() {
   local t0=$SECONDS
   until "$@" > /dev/null 2>&1; do
     if (( SECONDS - t0 > secs )); then
-      log "timed out after ${secs}s waiting for $desc"
       for f in "$LOGS"/*.log; do echo "--- tail of $f" >&2; tail -n 5 "$f" >&2; done
-      exit 1
+      die "timed out after ${secs}s waiting for $desc"   # last, where a caller's tail shows it
     fi
     sleep 1
   done
@@ -311,6 +310,17 @@ wait_for "kube-proxy /healthz" 60 curl -sf http://127.0.0.1:10256/healthz
 sed -e "s|COREDNS_IMAGE|localhost/unet-cluster/coredns:$COREDNS_VERSION|" -e "s|DNS_IP|$DNS_IP|" \
   "$here/coredns.yaml" | kc apply -f - > /dev/null
 wait_for "CoreDNS ready" 120 kc -n kube-system rollout status deployment/coredns --timeout=5s
+# kube-proxy rejects a Service's cluster IP until it has written the Service's endpoints
+# (pkg/proxy/iptables/proxier.go, syncProxyRules: a filter REJECT "has no endpoints" until the
+# nat KUBE-SERVICES jump to its KUBE-SVC-* chain), a sync after CoreDNS became Ready: a pod
+# that asks the DNS before it gets "Temporary failure in name resolution" (seen: the hello pod
+# below failed so, and up.sh with it).
+service_rules() {  # CLUSTER_IP PROTO PORT
+  iptables -t nat -S KUBE-SERVICES | grep -qE -- "-d $1/32 -p $2 .*--dport $3 -j KUBE-SVC-"
+}
+wait_for "kube-proxy's rules for the cluster DNS and the API server's Service" 60 \
+  eval 'service_rules "$DNS_IP" udp 53 && service_rules "$DNS_IP" tcp 53 &&
+        service_rules "$(kc get service kubernetes -o jsonpath={.spec.clusterIP})" tcp 443'
 # A pod on the pod network: its own address, cluster DNS (a Service's name through the search
 # path) and a Service through kube-proxy (the API server's, from the pod's side).
 kc apply -f - > /dev/null <<EOF

@@ -136,6 +136,7 @@ def cluster():
         if up.returncode != 0:
             if "run bash cluster/build.sh first" in up.stderr:
                 _skip(f"the cluster is not built: {_last_lines(up.stderr, 1)}")
+            print(up.stderr, file=sys.stderr)     # whole, in the setup's captured stderr
             pytest.fail(f"cluster/up.sh failed: {_last_lines(up.stderr)}")
         load = _script("load-image.sh", IMAGE, timeout=1200)
         assert load.returncode == 0, f"cluster/load-image.sh: {_last_lines(load.stderr)}"
