@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -41,7 +40,7 @@ from typing import Any
 import torch
 
 from benchmarks import gpu
-from benchmarks.common import Row, Settings
+from benchmarks.common import Row, Settings, machine, verdict
 from benchmarks.trainstep import NVIDIA_A100_AMP_IMG_S, NVIDIA_CARD
 from emulator.pods import source_digest
 
@@ -77,13 +76,10 @@ def versions(path: str) -> None:
     card = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total",
                            "--format=csv,noheader"], capture_output=True, text=True,
                           timeout=30).stdout.strip() if smi else None
-    cpu = next((line.split(":", 1)[1].strip() for line in
-                Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
     facts = {"nvidia_smi": card, "torch": torch.__version__, "cuda": torch.version.cuda,
              "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
              "card": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-             "python": platform.python_version(), "cpu": cpu, "cores": os.cpu_count()}
+             "machine": machine()}
     Path(path).write_text(json.dumps(facts, indent=1) + "\n")
 
 
@@ -192,19 +188,18 @@ def _read(path: Path) -> Any:
         return None
 
 
-def benchmark_ab(out: Path) -> dict[str, Any]:
+def benchmark_ab(bench: dict[str, Any]) -> dict[str, Any]:
     """The benchmark's interleaved rounds (variants and profiles); {} if it wrote none."""
-    bench = _read(out / "gpu-benchmark.json")
     try:
         return bench["benchmarks"]["gpu"]["details"]["ab"]
     except (TypeError, KeyError):
         return {}
 
 
-def default_rounds(out: Path) -> dict[str, Any] | None:
-    """The variants' summaries: the benchmark's own, else the last rounds file (a benchmark
-    cut short at its limit)."""
-    variants = benchmark_ab(out).get("variants")
+def default_rounds(out: Path, ab: dict[str, Any]) -> dict[str, Any] | None:
+    """The variants' summaries: the benchmark's own (``ab``), else the last rounds file (a
+    benchmark cut short at its limit)."""
+    variants = ab.get("variants")
     if variants:
         return variants
     rounds = _read(out / "gpu-rounds.json")
@@ -212,9 +207,7 @@ def default_rounds(out: Path) -> dict[str, Any] | None:
 
 
 def _point(what: str, value: float | None, bound: str, on_gpu: bool) -> dict[str, Any]:
-    op, limit = bound.split()
-    met = None if value is None or not on_gpu else \
-        (value >= float(limit) if op == ">=" else value <= float(limit))
+    met = None if value is None or not on_gpu else verdict(value, bound) == "meets target"
     return {"what": what, "value": value, "bound": bound, "met": met}
 
 
@@ -278,8 +271,9 @@ def record(out: Path, stages: list[dict], sizes: Sizes) -> dict[str, Any]:
     on_gpu = sizes.device == "cuda" and bool(facts.get("card"))
     where = f"batch {sizes.batch}, {facts.get('card') or sizes.device}"
     cold, retry = _read(out / "metrics-cold.json"), _read(out / "metrics-retry.json")
-    variants = default_rounds(out)
     bench = _read(out / "gpu-benchmark.json") or {}
+    ab = benchmark_ab(bench)
+    variants = default_rounds(out, ab)
     rows = [Row(**{k: r[k] for k in ("benchmark", "metric", "unit", "ours", "baseline",
                                      "baseline_name", "target")})
             for r in bench.get("rows", [])] or gpu.rows(variants or {}, where)
@@ -287,7 +281,7 @@ def record(out: Path, stages: list[dict], sizes: Sizes) -> dict[str, Any]:
     return {"what": "issue 36: python -m benchmarks.gpu_session", "smoke": sizes.device != "cuda",
             "versions": facts, "sources": source_digest(), "stages": stages,
             "cold": _run_summary(cold), "retry": _run_summary(retry),
-            "variants": variants, "profiles": benchmark_ab(out).get("profiles"),
+            "variants": variants, "profiles": ab.get("profiles"),
             "rows": [r.to_dict() for r in rows],
             "acceptance": acceptance(variants, retry, on_gpu, sizes.batch)}
 
