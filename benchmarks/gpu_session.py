@@ -206,18 +206,23 @@ def default_rounds(out: Path, ab: dict[str, Any]) -> dict[str, Any] | None:
     return rounds["variants"] if rounds else None
 
 
-def _point(what: str, value: float | None, bound: str, on_gpu: bool) -> dict[str, Any]:
-    met = None if value is None or not on_gpu else verdict(value, bound) == "meets target"
-    return {"what": what, "value": value, "bound": bound, "met": met}
+def _point(what: str, value: float | None, bound: str, on_gpu: bool,
+           fault: str | None = None) -> dict[str, Any]:
+    """One acceptance point; ``fault`` (a reason) misses it whatever the value."""
+    met = None if value is None or not on_gpu else \
+        fault is None and verdict(value, bound) == "meets target"
+    return {"what": what, "value": value, "bound": bound, "met": met,
+            **({"fault": fault} if fault and on_gpu else {})}
 
 
 def acceptance(variants: dict | None, retry: dict | None, on_gpu: bool,
                batch: int = 64) -> dict[str, Any]:
     """Issue 36's acceptance points from the rounds and the retry's metrics: each with its
-    value, bound and ``met`` (None where unmeasured, or on the CPU), and ``all``."""
+    value, bound and ``met`` (None where unmeasured, or on the CPU; False for a retry whose
+    compile cache was not restored, a broken cache being a miss), and ``all``."""
     default = (variants or {}).get(gpu.DEFAULT) or {}
     end, compute = default.get("end_to_end"), default.get("compute_only")
-    restored = bool(retry) and retry.get("compile_cache") == "restored"
+    cache = (retry or {}).get("compile_cache")
     points = {
         "end_to_end": _point(f"steps.train default, end to end (data included), batch "
                              f"{batch}, median of the interleaved rounds [img/s]", end,
@@ -227,8 +232,10 @@ def acceptance(variants: dict | None, retry: dict | None, on_gpu: bool,
             else None, f">= {gpu.TARGET_OF_COMPUTE:g}", on_gpu),
         "retry_first_step": _point(
             "first step of a retry, with the load of the compile cache from the checkpoint "
-            "store [s]", retry_first_step(retry) if restored else None,
-            f"<= {RETRY_FIRST_STEP_S:g}", on_gpu)}
+            "store [s]", retry_first_step(retry) if retry else None,
+            f"<= {RETRY_FIRST_STEP_S:g}", on_gpu,
+            None if cache == "restored" else f"the retry's compile cache was {cache}, not "
+                                              "restored: it compiled afresh")}
     mets = [p["met"] for p in points.values()]
     return {**points, "all": None if None in mets else all(mets)}
 
@@ -311,7 +318,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['metric']}: {row['ours']:.4g} {row['unit']} (ratio {row['ratio']:.3f}"
               f"{', target ' + row['target'] + ': ' + row['verdict'] if row['target'] else ''})")
     print("acceptance: " + json.dumps(result["acceptance"], indent=1))
-    return 0
+    return exit_status(result)
+
+
+def exit_status(result: dict[str, Any]) -> int:
+    """0 only when every acceptance point is met; a smoke run (no verdict by design) when
+    every stage ran; else 1, a missed or unmeasured point alike."""
+    if result["smoke"]:
+        return 0 if all(s["exit"] == 0 for s in result["stages"]) else 1
+    return 0 if result["acceptance"]["all"] is True else 1
 
 
 if __name__ == "__main__":

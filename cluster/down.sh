@@ -3,8 +3,9 @@
 # namespace, link, cgroup or iptables/ip6tables rule of it behind, touching only what it made:
 # the cgroups under its own root, the rules that were not there before up.sh (a snapshot), the
 # log links into its state folder. Removes
-# $STATE and $RUN_DIR (certificates, etcd data, containerd's images) unless KEEP_STATE=1; the
-# build cache stays.
+# $STATE and $RUN_DIR (certificates, etcd data, containerd's images) unless KEEP_STATE=1 (a host
+# sysctl that could not be put back keeps its record there, and down.sh fails); the build cache
+# stays.
 #   bash cluster/down.sh
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -91,10 +92,11 @@ for l in /var/log/containers/*; do
   [[ -L "$l" && "$(readlink "$l")" == "$STATE/"* ]] && rm -f "$l"
 done
 if [[ -f "$RUN_DIR/made-var-log-containers" ]]; then rmdir /var/log/containers 2> /dev/null || true; fi
-# The host sysctls that the kubelet changed, back to what up.sh found.
+# The host sysctls that the kubelet changed, back to what up.sh found; one that does not take
+# its value is left behind (below), and its record kept for the next down.sh.
+sysctls=""
 if [[ -f "$RUN_DIR/sysctl.saved" ]]; then
-  while read -r k v; do echo "$v" > "/proc/sys/$k" || true; done < "$RUN_DIR/sysctl.saved"
-  rm -f "$RUN_DIR/sysctl.saved"
+  sysctls="$(restore_sysctls "$RUN_DIR/sysctl.saved")" && rm -f "$RUN_DIR/sysctl.saved"
 fi
 # containerd 1.6 puts shim sockets in /run/containerd/s whatever its state folder: drop the
 # folders if they are empty (another containerd may use them).
@@ -103,12 +105,17 @@ rmdir /run/containerd/s /run/containerd/runc/k8s.io /run/containerd/runc /run/co
 rules="$(for ipt in iptables ip6tables; do for t in $IPT_TABLES; do new_rules "$ipt" "$t"; done; done)"
 cg="$(for h in $(cgroup_hierarchies); do [[ ! -d "$h/$CGROUP_ROOT" ]] || echo "$h/$CGROUP_ROOT"; done)"
 links="$(find /var/log/containers -maxdepth 1 -type l -lname "$STATE/*" 2> /dev/null || true)"
-if [[ "${KEEP_STATE:-0}" != 1 ]]; then rm -rf "$STATE" "$RUN_DIR"; fi
+if [[ "${KEEP_STATE:-0}" != 1 ]]; then
+  rm -rf "$STATE"
+  if [[ -z "$sysctls" ]]; then rm -rf "$RUN_DIR"
+  else find "$RUN_DIR" -mindepth 1 ! -name sysctl.saved -delete 2> /dev/null || true; fi
+fi
 left="$(mounts)"
 procs="$(for e in /proc/[0-9]*/exe; do readlink "$e" 2> /dev/null | grep -qE "^($CACHE|$STATE|$RUN_DIR)/" && echo "${e%/exe}"; done || true)"
 procs+="$(pgrep -af -- "containerd --config $STATE|-address $CONTAINERD_SOCK" || true)"
-if [[ -n "$left$procs$rules$cg$links" ]]; then
-  log "left behind:"; printf '%s\n' "$left" "$procs" "$rules" "$cg" "$links" | grep -v '^$' >&2
+if [[ -n "$left$procs$rules$cg$links$sysctls" ]]; then
+  log "left behind:"
+  printf '%s\n' "$left" "$procs" "$rules" "$cg" "$links" "$sysctls" | grep -v '^$' >&2
   exit 1
 fi
-log "down: no process, mount, cgroup, iptables/ip6tables rule or log link of the cluster is left"
+log "down: no process, mount, cgroup, iptables/ip6tables rule, log link or changed host sysctl of the cluster is left"

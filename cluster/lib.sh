@@ -65,6 +65,18 @@ guard() {
   done
 }
 die() { log "ERROR: $*"; exit 1; }
+# restore_sysctls SAVED [ROOT]: write back each "key value" line of SAVED (what up.sh found before
+# the kubelet changed it) under ROOT (/proc/sys), then read each back; prints one line per key
+# that does not hold its value again and returns 1 if there is one.
+restore_sysctls() {
+  local saved="$1" root="${2:-/proc/sys}" k v now failed=0
+  while read -r k v; do
+    { echo "$v" > "$root/$k"; } 2> /dev/null || true
+    now="$(cat "$root/$k" 2> /dev/null || echo '(unreadable)')"
+    [[ "$now" == "$v" ]] || { echo "sysctl $k is $now, not $v as before the cluster"; failed=1; }
+  done < "$saved"
+  return "$failed"
+}
 # module_dir MODULE@VERSION: its folder in the Go module cache, downloaded if needed.
 module_dir() {
   go mod download -json "$1" | sed -n 's/^\s*"Dir": "\(.*\)",$/\1/p'

@@ -147,6 +147,17 @@ kubectl --kubeconfig "$PKI/super-admin.conf" create clusterrolebinding kubeadm:c
   | kubectl --kubeconfig "$PKI/super-admin.conf" apply -f - > /dev/null
 
 log "[2/4] kube-controller-manager and kube-scheduler (127.0.0.1:10257, :10259)"
+# Their serving certificates, from the cluster's CA (without them each makes a self-signed one
+# at start, which only `curl -k` would take); 127.0.0.1 is where they listen.
+for c in controller-manager scheduler; do
+  [[ -f "$PKI/$c-serving.crt" ]] && continue
+  openssl req -new -newkey rsa:2048 -nodes -subj "/CN=kube-$c" -keyout "$PKI/$c-serving.key" \
+    -out "$PKI/$c-serving.csr" 2> /dev/null
+  openssl x509 -req -in "$PKI/$c-serving.csr" -CA "$PKI/ca.crt" -CAkey "$PKI/ca.key" \
+    -CAcreateserial -days 365 -out "$PKI/$c-serving.crt" 2> /dev/null \
+    -extfile <(printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n')
+  rm -f "$PKI/$c-serving.csr"
+done
 # kubeadm's getControllerManagerCommand; it is what creates each namespace's `default`
 # ServiceAccount and the kube-root-ca.crt ConfigMap that projected tokens mount.
 start kube-controller-manager "$K/kube-controller-manager" --bind-address=127.0.0.1 \
@@ -155,12 +166,14 @@ start kube-controller-manager "$K/kube-controller-manager" --bind-address=127.0.
   --requestheader-client-ca-file="$PKI/front-proxy-ca.crt" --root-ca-file="$PKI/ca.crt" \
   --cluster-signing-cert-file="$PKI/ca.crt" --cluster-signing-key-file="$PKI/ca.key" \
   --service-account-private-key-file="$PKI/sa.key" --use-service-account-credentials=true \
-  --controllers='*' --leader-elect=false
+  --controllers='*' --leader-elect=false \
+  --tls-cert-file="$PKI/controller-manager-serving.crt" --tls-private-key-file="$PKI/controller-manager-serving.key"
 start kube-scheduler "$K/kube-scheduler" --bind-address=127.0.0.1 --leader-elect=false \
   --kubeconfig="$PKI/scheduler.conf" --authentication-kubeconfig="$PKI/scheduler.conf" \
-  --authorization-kubeconfig="$PKI/scheduler.conf"
-wait_for "kube-controller-manager /healthz" 90 curl -skf https://127.0.0.1:10257/healthz
-wait_for "kube-scheduler /healthz" 90 curl -skf https://127.0.0.1:10259/healthz
+  --authorization-kubeconfig="$PKI/scheduler.conf" \
+  --tls-cert-file="$PKI/scheduler-serving.crt" --tls-private-key-file="$PKI/scheduler-serving.key"
+wait_for "kube-controller-manager /healthz" 90 curl -sf --cacert "$PKI/ca.crt" https://127.0.0.1:10257/healthz
+wait_for "kube-scheduler /healthz" 90 curl -sf --cacert "$PKI/ca.crt" https://127.0.0.1:10259/healthz
 wait_for "default ServiceAccount" 60 kc -n default get serviceaccount default
 (( last >= 3 )) || { log "control plane up in $(( $(date +%s) - t_start ))s; KUBECONFIG=$KUBECONFIG_ADMIN"; exit 0; }
 

@@ -261,31 +261,43 @@ TAKEN = 0.75                          # a CPU counts as taken when other work ke
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _busy_ticks(cpus: set[int]) -> int | None:
+PROC_STAT = Path("/proc/stat")
+
+
+def busy_ticks(cpus: set[int], stat: Path = PROC_STAT) -> int | None:
     """Clock ticks that ``cpus`` spent busy (user, nice, system, irq, softirq, steal) since
-    boot, from /proc/stat; None where it cannot be read."""
-    total = 0
+    boot, from ``stat`` (/proc/stat); None where it cannot be read, a ``cpuN`` line is not the
+    kernel's (fewer than 8 counters, a field that is not a count: a container runtime's
+    emulated /proc may write anything) or one of ``cpus`` has no line. Nothing is measured
+    then, and the pools keep their ceiling."""
     try:
-        lines = Path("/proc/stat").read_text().splitlines()
-    except OSError:
+        lines = stat.read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
         return None
+    total, seen = 0, set()
     for line in lines[1:]:
-        name, *fields = line.split()
+        name, *fields = line.split() or [""]
         if not name.startswith("cpu"):
             break
+        if not (name[3:].isdigit() and len(fields) >= 8 and all(f.isdigit() for f in fields[:8])):
+            return None
         if int(name[3:]) in cpus:
+            seen.add(int(name[3:]))
             user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
             total += user + nice + system + irq + softirq + steal
-    return total
+    return total if seen == cpus else None
 
 
-def _own_ticks() -> int:
-    """Clock ticks of CPU this process (all its threads) and its live children (loader and
-    pool workers) have used."""
+def own_ticks() -> int:
+    """Clock ticks of CPU this process (all its threads) and its children have used: the
+    children that have ended and been waited for (``os.times``' children fields: a finished
+    pool worker's time is still this step's), and the live ones (loader and pool workers)
+    from /proc."""
     times = os.times()
-    total = round((times.user + times.system) * _TICK)
+    total = round((times.user + times.system + times.children_user + times.children_system)
+                  * _TICK)
     for children in Path("/proc/self/task").glob("*/children"):
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, IndexError):
             for pid in children.read_text().split():
                 stat = Path(f"/proc/{pid}/stat").read_text()
                 fields = stat[stat.rindex(")") + 2:].split()
@@ -296,14 +308,17 @@ def _own_ticks() -> int:
 _fair: "FairThreads | None" = None     # set_threads' measurement, which retune_threads goes on
 
 
-def _adapting() -> bool:
+def adapting() -> bool:
+    """Whether pools follow the free CPUs (the default); ``UNET_ADAPT_THREADS=0`` keeps them
+    at their ceiling, which a run must for bitwise reproducible results (a thread count
+    changes the order of float sums)."""
     return os.environ.get(ADAPT_ENV, "1") != "0"
 
 
 def _sample(cpus: set[int]) -> tuple[float, int, int] | None:
     """(now, busy ticks of ``cpus``, own ticks); None where /proc/stat cannot be read."""
-    busy = _busy_ticks(cpus)
-    return None if busy is None else (time.monotonic(), busy, _own_ticks())
+    busy = busy_ticks(cpus)
+    return None if busy is None else (time.monotonic(), busy, own_ticks())
 
 
 class FairThreads:
@@ -315,7 +330,7 @@ class FairThreads:
     def __init__(self, ceiling: int):
         self.ceiling, self.count = ceiling, ceiling
         self.cpus = os.sched_getaffinity(0)
-        self.enabled = _adapting() and ceiling > 1
+        self.enabled = adapting() and ceiling > 1
         self._mark = None
         if self.enabled:
             imported = _IMPORTED if self.cpus == _IMPORTED_CPUS else None
@@ -398,4 +413,4 @@ def check_memory(nbytes: int, what: str) -> None:
 # The first window opens when a step imports this module, so that its own imports (torch,
 # onnxruntime: seconds) are the measurement and the step seldom waits for one.
 _IMPORTED_CPUS = os.sched_getaffinity(0)
-_IMPORTED = _sample(_IMPORTED_CPUS) if _adapting() else None
+_IMPORTED = _sample(_IMPORTED_CPUS) if adapting() else None

@@ -307,6 +307,7 @@ class TrainCheckpoint(HasNetwork):
     progress: Progress
     rng: Rng
     best_file: str | None = None
+    threads: int | None = Field(None, ge=1, le=4096)   # the CPU run's count (steps.train)
     train_config: TrainConfig
     format_version: Literal[1]
 

@@ -544,6 +544,7 @@ class Trainer:
                 "scaler_state": self.scaler.state_dict(),
                 "progress": self.progress.to_dict(), "rng": rng_state(self.info),
                 "best_file": best_name(best) if best else None,
+                "threads": torch.get_num_threads(),
                 "train_config": train_config(self.args), "format_version": 1}
 
     def save_checkpoint(self) -> None:
@@ -565,6 +566,7 @@ class Trainer:
                             f"({type(exc).__name__}: {exc})") from None
         known = Progress().to_dict()
         self.progress = Progress(**{k: v for k, v in state["progress"].items() if k in known})
+        self._restore_threads(state.get("threads"))
         if state.get("best_file"):
             where = f"checkpoint {state['best_file']} at {uri}"
             best = CheckpointStore(uri).load(state["best_file"])
@@ -574,6 +576,19 @@ class Trainer:
         if self.rank == 0:
             print(f"resumed from {uri} at epoch {self.progress.epoch}, step "
                   f"{self.progress.step}", file=sys.stderr)
+
+    def _restore_threads(self, saved: int | None) -> None:
+        """A CPU run with a fixed thread count (``UNET_ADAPT_THREADS=0``) goes on with the
+        count it was checkpointed with, whatever this pod has: the count orders the float
+        sums, so this is what keeps a resumed run bitwise the uninterrupted one. An adaptive
+        run follows the free CPUs instead (docs/design.md, CPU share beside other work)."""
+        if self.info.kind != "cpu" or limits.adapting() or saved in (None, torch.get_num_threads()):
+            return
+        if self.rank == 0:
+            print(f"train: {saved} thread(s), as the checkpoint ran, instead of "
+                  f"{torch.get_num_threads()} ({limits.ADAPT_ENV}=0 keeps a run's count)",
+                  file=sys.stderr)
+        limits.set_threads(saved)
 
     def compiles(self) -> bool:
         """Whether the training step runs through Inductor (torch.compile on CUDA)."""
@@ -611,6 +626,7 @@ class Trainer:
                 self.compile_cache.load()
             self.batches = device_batches(self._loader(p.step, self.total_steps - p.step),
                                           p.step, info, args.seed, self.rank)
+        threads = {torch.get_num_threads()}
         for images, labels in itertools.islice(self.batches, remaining):
             if self.first_step_s is None:
                 first = time.monotonic()
@@ -618,6 +634,7 @@ class Trainer:
                               self.scaler, info, images, labels)
             if info.kind == "cpu":
                 limits.retune_threads()
+                threads.add(torch.get_num_threads())
             if self.first_step_s is None:
                 self._first_step_done(first)
             loss_sum += loss
@@ -642,7 +659,8 @@ class Trainer:
             dist.all_reduce(total)
             p.epoch_loss = float(total) / self.world
         return {"loss": p.epoch_loss / max(p.epoch_steps, 1),
-                "img_per_s": images_done / max(seconds, 1e-9), "seconds": seconds}
+                "img_per_s": images_done / max(seconds, 1e-9), "seconds": seconds,
+                "threads": sorted(threads)}
 
     def _first_step_done(self, started: float) -> None:
         """Time the first step (compilation and cuDNN's tuning included) and keep the
@@ -733,6 +751,7 @@ def write_model(plan: Plan, trainer: Trainer, samples: list[dict[str, Any]]) -> 
                "precision": trainer.info.precision, "world_size": trainer.world,
                "steps_per_epoch": trainer.steps_per_epoch, "fold": plan.args.fold,
                "first_step_s": trainer.first_step_s,
+               "threads_adaptive": limits.adapting(),
                "compile_cache": trainer.compile_cache_state(),
                "compile_cache_load_s": trainer.compile_cache.load_s
                if trainer.compile_cache is not None else 0.0}

@@ -113,6 +113,13 @@ def _plant_neighbour(plant: bool) -> None:
             pass
 
 
+def _host_sysctls() -> dict[str, str]:
+    """The host sysctls that the kubelet sets (cluster/up.sh keeps what it finds)."""
+    names = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "kernel/panic_on_oops",
+             "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes")
+    return {name: Path("/proc/sys", name).read_text().strip() for name in names}
+
+
 @pytest.fixture(scope="session")
 def cluster():
     """cluster/up.sh, then our image into containerd; cluster/down.sh at the end, which must
@@ -130,7 +137,7 @@ def cluster():
     elif not keep:
         print("real_cluster: a cluster of an earlier run is up; down.sh's neighbour check "
               "needs a start from nothing, and is left out", file=sys.stderr)
-    planted = _neighbour()
+    planted, host = _neighbour(), _host_sysctls()
     try:   # down.sh also after a failed start: up.sh may have started some of it
         up = _script("up.sh", timeout=600)
         if up.returncode != 0:
@@ -149,6 +156,8 @@ def cluster():
                 _plant_neighbour(False)
             assert down.returncode == 0, f"cluster/down.sh: {_last_lines(down.stderr)}"
             assert left == planted, f"cluster/down.sh took a neighbour's {planted} (left {left})"
+            if neighbour:      # from nothing: what the kubelet found, down.sh puts back
+                assert _host_sysctls() == host, "cluster/down.sh left the kubelet's sysctls"
 
 
 def kubectl(*args: str, stdin: str | None = None, check: bool = True) -> str:

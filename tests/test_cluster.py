@@ -3,8 +3,8 @@ server (cluster/: Kubernetes v1.35.4, containerd 1.6, Argo v4.0.5), in the real 
 
 A session fixture starts the cluster (``cluster/up.sh``), loads the image
 (``cluster/load-image.sh``) and stops it at the end (``cluster/down.sh``; ``UNET_CLUSTER_KEEP=1``
-leaves it up). The steps' S3 is the project's embedded SeaweedFS on loopback, which the pods
-reach over the host network (the controller's ``workflowDefaults``, cluster/up.sh). Without a
+leaves it up). The steps' S3 is a SeaweedFS Deployment in the cluster, which the pods reach
+by its Service's name (``s3.unet-s3.svc:9000``, tests/real_cluster.py ``store``). Without a
 built cluster, root, podman or the image these tests skip with the reason; CI sets
 ``UNET_REQUIRE_CLUSTER=1``, which turns that skip into a failure.
 

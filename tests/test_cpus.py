@@ -7,6 +7,7 @@ mask is the real one of a child process, or a stand-in where the quota must deci
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -165,8 +166,8 @@ class FakeClock:
     def __init__(self, monkeypatch):
         self.now, self.busy, self.own = 0.0, 0.0, 0.0
         monkeypatch.setattr(limits, "_TICK", 100)
-        monkeypatch.setattr(limits, "_busy_ticks", lambda cpus: round(self.busy * 100))
-        monkeypatch.setattr(limits, "_own_ticks", lambda: round(self.own * 100))
+        monkeypatch.setattr(limits, "busy_ticks", lambda cpus: round(self.busy * 100))
+        monkeypatch.setattr(limits, "own_ticks", lambda: round(self.own * 100))
         monkeypatch.setattr(limits.time, "monotonic", lambda: self.now)
         monkeypatch.setattr(limits.time, "sleep", self.wait)
         monkeypatch.setattr(limits.os, "sched_getaffinity", lambda pid: {0, 1})
@@ -228,6 +229,68 @@ def test_the_variable_turns_it_off_and_one_thread_needs_nothing(clock, monkeypat
     monkeypatch.delenv(limits.ADAPT_ENV)
     assert limits.FairThreads(1).start() == 1
     assert capsys.readouterr().err == ""
+
+
+KERNEL_STAT = ("cpu  10 0 10 100 0 0 0 0 0 0\n"
+               "cpu0 4 1 2 50 9 1 1 1 0 0\n"
+               "cpu1 6 0 8 50 0 0 0 0 0 0\n"
+               "intr 123\n")
+
+
+@pytest.mark.parametrize("text", [
+    "cpu  1 2 3\ncpu0 1 2 3\n",                                  # short counters
+    "cpu  1 2 3 4 5 6 7 8\ncpu0 1 2 x 4 5 6 7 8\n",              # a non-number
+    "cpu  1 2 3 4 5 6 7 8\ncpuX 1 2 3 4 5 6 7 8\n",              # no CPU number
+    "cpu  1 2 3 4 5 6 7 8\ncpu0 1 2 3 4 5 6 7 -8\n",             # a negative counter
+    "cpu  1 2 3 4 5 6 7 8\n\n",                                  # an empty line
+    "",
+])
+def test_a_proc_stat_that_is_not_the_kernels_measures_nothing(tmp_path, text):
+    """An emulated /proc (a container runtime's) may write what it likes: the pools then keep
+    their ceiling instead of the step failing."""
+    stat = tmp_path / "stat"
+    stat.write_text(text)
+    assert limits.busy_ticks({0, 1}, stat) is None
+    stat.write_bytes(b"\xff\xfe")
+    assert limits.busy_ticks({0, 1}, stat) is None
+
+
+def test_busy_ticks_add_the_busy_counters_of_the_cpus_asked_for(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text(KERNEL_STAT)
+    assert limits.busy_ticks({0}, stat) == 4 + 1 + 2 + 1 + 1 + 1      # idle, iowait left out
+    assert limits.busy_ticks({0, 1}, stat) == 10 + 14
+    assert limits.busy_ticks(set(), tmp_path / "missing") is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
+                    reason="needs root and unshare(1) to mount over /proc/stat")
+def test_a_step_starts_beside_an_odd_proc_stat(tmp_path):
+    """The measurement opens when a step imports steps.limits: a /proc/stat it cannot read
+    (bind-mounted over the real one in a mount namespace of the test's own) must neither
+    fail the import nor size the pools."""
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  1 2 3\ncpu0 1 2 3\n")
+    code = "from steps import limits; print(limits.set_threads())"
+    clean = {k: v for k, v in os.environ.items()
+             if k not in (limits.CPUS_ENV, "OMP_NUM_THREADS", limits.ADAPT_ENV)}
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f'mount --bind "$0" /proc/stat && exec "$1" -c "$2"', str(stat), sys.executable,
+         code], cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={**clean, "UNET_CPUS": "2"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "2"
+    assert "not measured" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_child_that_has_ended_is_still_own_work():
+    """A pool worker that finished (and was waited for) used this step's CPU, not other
+    work's: its time stays in own_ticks."""
+    before = limits.own_ticks()
+    subprocess.run([sys.executable, "-c", "import time\nend = time.process_time() + 0.5\n"
+                    "while time.process_time() < end: pass"], check=True, timeout=60)
+    assert limits.own_ticks() - before >= 0.4 * limits._TICK
 
 
 @pytest.mark.slow

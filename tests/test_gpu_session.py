@@ -31,15 +31,51 @@ def _variants(end_to_end, compute_only):
                                        "retry_first_step": True, "all": False}),
     (2600.0, 3000.0, 12.0, "restored", {"end_to_end": True, "end_to_end_over_compute": False,
                                         "retry_first_step": False, "all": False}),
-    # a retry that compiled afresh says nothing about the cache: unmeasured, no verdict
+    # a retry that compiled afresh had a broken cache: a miss, however fast its step
     (2600.0, 2800.0, 8.0, "saved", {"end_to_end": True, "end_to_end_over_compute": True,
-                                    "retry_first_step": None, "all": None}),
+                                    "retry_first_step": False, "all": False}),
+    (2600.0, 2800.0, 8.0, "not saved", {"end_to_end": True, "end_to_end_over_compute": True,
+                                        "retry_first_step": False, "all": False}),
 ])
 def test_acceptance_judges_each_point(end, compute, first, cache, expected):
     verdict = gpu_session.acceptance(_variants(end, compute),
                                      {"first_step_s": first, "compile_cache": cache}, True)
     assert {k: (v if k == "all" else v["met"]) for k, v in verdict.items()} == expected
     assert verdict["end_to_end_over_compute"]["value"] == pytest.approx(end / compute)
+
+
+def test_a_retry_without_its_cache_names_the_fault():
+    point = gpu_session.acceptance(_variants(2600.0, 2800.0),
+                                   {"first_step_s": 8.0, "compile_cache": "saved"},
+                                   True)["retry_first_step"]
+    assert point["met"] is False and "compile cache was saved, not restored" in point["fault"]
+
+
+def _result(smoke: bool, all_met, stage_exits=(0, 0)) -> dict:
+    return {"smoke": smoke, "acceptance": {"all": all_met},
+            "stages": [{"stage": f"s{i}", "exit": e} for i, e in enumerate(stage_exits)]}
+
+
+@pytest.mark.parametrize("result, status", [
+    (_result(False, True), 0),
+    (_result(False, False), 1),                   # a point missed
+    (_result(False, None), 1),                    # a point unmeasured
+    (_result(False, None, (0, "timeout")), 1),
+    (_result(True, None), 0),                     # the CPU smoke: stages only, no verdict
+    (_result(True, None, (0, 2)), 1),
+])
+def test_the_exit_status_is_0_only_when_every_point_is_met(result, status):
+    assert gpu_session.exit_status(result) == status
+
+
+def test_the_command_exits_1_when_a_point_is_unmeasured(tmp_path, monkeypatch, capsys):
+    """main() itself, on a session whose benchmark left no rounds (stubbed: the session's
+    stages are what the slow test below runs for real)."""
+    monkeypatch.setattr(gpu_session, "session", lambda out, seconds, smoke: {
+        "rows": [], "smoke": False, "stages": [],
+        "acceptance": gpu_session.acceptance(None, None, True)})
+    assert gpu_session.main([str(tmp_path)]) == 1
+    assert '"all": null' in capsys.readouterr().out
 
 
 def test_the_retrys_first_step_counts_the_load_of_its_cache():

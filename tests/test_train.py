@@ -106,16 +106,21 @@ def test_two_process_gloo_ddp_run_publishes_the_same_outputs(dataset, tmp_path):
 
 
 def test_sigkill_mid_epoch_then_resume_gives_bitwise_identical_weights(dataset, tmp_path):
+    """The run is killed on 2 threads and resumed where the pod would give it 1: with a fixed
+    count (UNET_ADAPT_THREADS=0, as the suite runs) the resume takes the checkpoint's count
+    back, since the count orders the float sums (1 and 2 threads differ in the last bits)."""
     args = ["--batch-size", "4", "--steps-per-epoch", "6", "--max-epochs", "2",
             "--checkpoint-minutes", "0.0001", "--patience", "0", "--seed", "7"]
+    two = step_env(OMP_NUM_THREADS="2", UNET_ADAPT_THREADS="0")
     straight = tmp_path / "straight"
-    done = train(dataset, straight, "--checkpoint-uri", str(tmp_path / "ck-a"), *args)
+    done = run_step("train", "--dataset", str(dataset), "--model", str(straight), *TINY,
+                    "--checkpoint-uri", str(tmp_path / "ck-a"), *args, env=two)
     assert done.returncode == 0, done.stderr[-3000:]
 
     ckpts, killed = tmp_path / "ck-b", tmp_path / "killed"
     cmd = [sys.executable, "-m", "steps.train", "--dataset", str(dataset), "--model",
            str(killed), *TINY, "--checkpoint-uri", str(ckpts), *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=step_env(), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(cmd, cwd=REPO, env=two, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     try:
@@ -132,14 +137,19 @@ def test_sigkill_mid_epoch_then_resume_gives_bitwise_identical_weights(dataset, 
     stopped_at = int((ckpts / "latest").read_text()[5:15])
     assert 8 <= stopped_at < 12
 
-    done = train(dataset, killed, "--checkpoint-uri", str(ckpts), "--resume", "auto", *args)
+    done = run_step("train", "--dataset", str(dataset), "--model", str(killed), *TINY,
+                    "--checkpoint-uri", str(ckpts), "--resume", "auto", *args,
+                    env=step_env(OMP_NUM_THREADS="1", UNET_ADAPT_THREADS="0"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"step {stopped_at}" in done.stderr
+    assert "train: 2 thread(s), as the checkpoint ran, instead of 1" in done.stderr
     a, b = load(straight / "last.pt")["model_state"], load(killed / "last.pt")["model_state"]
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    history = json.loads((killed / "metrics.json").read_text())["epochs"]
-    assert [e["epoch"] for e in history] == [1, 2]
+    metrics = json.loads((killed / "metrics.json").read_text())
+    assert [e["epoch"] for e in metrics["epochs"]] == [1, 2]
+    assert [e["threads"] for e in metrics["epochs"]] == [[2], [2]]
+    assert metrics["threads_adaptive"] is False
 
 
 # ----------------------------------------------------------------------- bad inputs

@@ -361,6 +361,11 @@ def test_stop_and_delete_leave_no_pod_behind(page, published, argo, shots):
     confirm(page)
     until(lambda: argo.get_workflow(name)["status"].get("phase") in ("Failed", "Error"),
           180, "the stopped workflow to end", every=1)
+    # As docs/ui.md says: Failed, and why (v4.0.5 workflow/controller/operator.go, operate:
+    # a shut-down workflow whose DAG node failed is "Stopped with strategy 'Stop'").
+    status = argo.get_workflow(name)["status"]
+    assert (status["phase"], status.get("message")) == (
+        "Failed", "Stopped with strategy 'Stop'"), status
     until(lambda: not [p for p in pods_of(name)
                        if p["status"].get("phase") in ("Pending", "Running")],
           180, "its pods to stop", every=1)
