@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from tqdm import tqdm
 
-from conftest import REPO, assert_one_error_line
-from steps import checkpoints, convert, download, predict, storage, train
+from conftest import REPO, assert_one_error_line, error_lines
+from steps import checkpoints, convert, download, handoff, quantize, storage, train
 from steps.artifacts import write_manifest
 from steps.errors import StepError, one_line, run_main
-from test_untrusted_inputs import _handler, _Http, call, nifti_file, onnx_model, refused
+from test_untrusted_inputs import _handler, _Http, call, fake_model, nifti_file, onnx_model
 from train_data import make_dataset
 from workflows import cli
 
@@ -28,6 +28,21 @@ CONFIG = (REPO / "config" / "pipeline.yaml").read_text()
 pytestmark = pytest.mark.faults
 
 TOKEN = "FQoGZXIvYXdzEJr//////////wEaDLmVsbn0KsDnqHvH5SKoAd" + "x" * 40
+
+
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def _refused_leaving(root: Path, main, argv, capsys, *needles: str) -> str:
+    """``refused``, and the step made, removed or renamed nothing under ``root`` (its output,
+    a staging folder, a cache or temporary file beside it): its stderr."""
+    before = _tree(root)
+    status, err = call(main, argv, capsys)
+    assert status == 2, err[-3000:]
+    assert_one_error_line(err, *needles)
+    assert _tree(root) == before, "the refused step left files behind"
+    return err
 
 
 # ================================================= 2: a cache or work folder can be planted
@@ -48,9 +63,11 @@ def _source_server(body: bytes, etag: str = '"v1"'):
     return server
 
 
-def _cached_download(tmp_path: Path, capsys, body: bytes, plant) -> tuple[int, str, object]:
+def _cached_download(tmp_path: Path, capsys, body: bytes, plant,
+                     *needles: str) -> tuple[str, object]:
     """Run the download of ``body`` from a fresh server with ``plant(name_in_cache)`` called
-    first on its cache folder: (exit status, stderr, the server)."""
+    first on its cache folder; it is refused with ``needles`` and leaves no output:
+    (stderr, the server)."""
     server = _source_server(body)
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -62,17 +79,19 @@ def _cached_download(tmp_path: Path, capsys, body: bytes, plant) -> tuple[int, s
                            capsys)
     finally:
         server.close()
-    return status, err, server
+    assert status == 2, err[-3000:]
+    assert_one_error_line(err, *needles)
+    assert not (tmp_path / "raw").exists()
+    return err, server
 
 
 def test_a_partial_download_planted_as_a_link_is_refused_and_its_target_untouched(tmp_path,
                                                                                   capsys):
     host_file = tmp_path / "host-file"
     host_file.write_text("precious")
-    status, err, server = _cached_download(
-        tmp_path, capsys, b"x" * 1000, lambda at: at(".part").symlink_to(host_file))
-    assert status == 2
-    assert_one_error_line(err, "not a regular file")
+    _, server = _cached_download(tmp_path, capsys, b"x" * 1000,
+                                 lambda at: at(".part").symlink_to(host_file),
+                                 "not a regular file")
     assert host_file.read_text() == "precious" and server.requests == 0
 
 
@@ -88,7 +107,8 @@ def test_a_planted_validator_is_never_sent(planted, tmp_path, capsys):
         else:
             at(".part.validator").write_text('"v1"\r\nX-Injected: yes')
 
-    _, err, server = _cached_download(tmp_path, capsys, b"not a tar" * 100, plant)
+    err, server = _cached_download(tmp_path, capsys, b"not a tar" * 100, plant,
+                                   "is not a readable tar archive")
     assert server.if_range == [None], server.if_range      # started over, nothing sent
     assert host_file.read_text() == '"host-secret-content"'
     assert "host-secret" not in err
@@ -113,11 +133,12 @@ def _redirect_to(target):
 def test_redirects_leave_only_for_http_and_https_and_say_why(target, needle, tmp_path, capsys):
     server = _Http(_handler(_redirect_to(target)))
     try:
-        line = refused(download.main, ["--source", server.url, "--raw", tmp_path / "raw",
-                                       "--md5", "", "--no-progress"], capsys, needle, "302")
+        err = _refused_leaving(tmp_path, download.main, ["--source", server.url, "--raw",
+                                                         tmp_path / "raw", "--md5", "",
+                                                         "--no-progress"], capsys, needle, "302")
     finally:
         server.close()
-    assert server.requests <= 6 and not line.endswith(": ")
+    assert server.requests <= 6 and not error_lines(err)[0].endswith(": ")
 
 
 def test_a_redirect_from_https_down_to_http_is_refused():
@@ -150,12 +171,14 @@ def test_a_trickling_body_is_a_stall_and_the_download_has_a_total_budget(tmp_pat
     server = _Http(_handler(_trickle))
     started = time.monotonic()
     try:
-        line = refused(download.main, ["--source", server.url, "--raw", tmp_path / "raw",
-                                       "--md5", "", "--no-progress"], capsys, "time budget")
+        err = _refused_leaving(tmp_path, download.main, ["--source", server.url, "--raw",
+                                                         tmp_path / "raw", "--md5", "",
+                                                         "--no-progress"], capsys, "time budget")
     finally:
         server.close()
     assert time.monotonic() - started < 15
     assert server.requests >= 2, "a stalled attempt is retried"
+    line = error_lines(err)[0]
     assert "stalled" in line or "ran past" in line
 
 
@@ -180,17 +203,22 @@ def test_checkpoint_pruning_leaves_a_users_files_alone(tmp_path):
 
 
 # ========================================= 4: no secret in any error line, whatever the library
-def test_credentials_with_control_characters_are_refused_unprinted(monkeypatch, tmp_path,
-                                                                   capsys, s3):
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.access_key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.secret_key)
+@pytest.mark.parametrize("action", ["fetch", "push"])
+def test_credentials_with_control_characters_are_refused_unprinted(action, monkeypatch,
+                                                                   tmp_path, capsys, s3_env):
+    prefix, artifact = f"round3-{action}/", tmp_path / "artifact"
+    uri = f"s3://{s3_env.bucket}/{prefix}"
+    if action == "push":
+        artifact.mkdir()
+        (artifact / "a.bin").write_bytes(b"x" * 10)
+        write_manifest(artifact, "model", "train", {})
     monkeypatch.setenv("AWS_SESSION_TOKEN", TOKEN[:30] + "\r\n" + TOKEN[30:])
-    from steps import handoff
-    status, err = call(handoff.main, ["fetch", "--artifact", "model", "s3://bucket/job/",
-                                      tmp_path / "out"], capsys)
-    line = assert_one_error_line(err, "AWS_SESSION_TOKEN holds whitespace or control")
-    assert status == 2 and TOKEN[:30] not in err and TOKEN[30:] not in err, line
+    places = [uri, artifact] if action == "fetch" else [artifact, uri]
+    err = _refused_leaving(tmp_path, handoff.main, [action, "--artifact", "model", *places],
+                           capsys, "AWS_SESSION_TOKEN holds whitespace or control")
+    assert TOKEN[:30] not in err and TOKEN[30:] not in err, err
+    listed = s3_env.client().list_objects_v2(Bucket=s3_env.bucket, Prefix=prefix)
+    assert listed["KeyCount"] == 0, "nothing is uploaded"
 
 
 @pytest.mark.parametrize("quoted", [
@@ -218,37 +246,32 @@ def test_a_botocore_error_quoting_the_token_comes_out_redacted(monkeypatch):
 
 
 # ============================================================ 7: the config means what it says
-def _render_with(tmp_path: Path, capsys, text: str, *overrides: str) -> tuple[int, str]:
+def _render_refused(tmp_path: Path, capsys, text: str, *needles: str, overrides=()) -> None:
+    """``render -o`` of the config ``text`` is refused with ``needles`` and writes nothing."""
     config = tmp_path / "pipeline.yaml"
     config.write_text(text)
-    out = tmp_path / "wf.yaml"
-    status, err = call(cli.main, ["render", "--config", config, "-o", out,
-                                  *[a for o in overrides for a in ("-p", o)]], capsys)
-    assert status != 0 or out.is_file()
-    return status, err
+    _refused_leaving(tmp_path, cli.main, ["render", "--config", config, "-o",
+                                          tmp_path / "wf.yaml",
+                                          *[a for o in overrides for a in ("-p", o)]],
+                     capsys, *needles)
 
 
 def test_a_key_given_twice_is_an_error(tmp_path, capsys):
     assert "\ntrain:\n  devices: 8 " in CONFIG
     text = CONFIG.replace("\ntrain:\n", "\ntrain:\n  devices: 2\n", 1)
-    status, err = _render_with(tmp_path, capsys, text)
-    assert status == 2
-    assert_one_error_line(err, "'devices' is given twice")
+    _render_refused(tmp_path, capsys, text, "'devices' is given twice")
 
 
 @pytest.mark.parametrize("word", ["yes", "no", "on", "off"])
 def test_yaml_1_1_booleans_are_not_numbers(word, tmp_path, capsys):
     text = CONFIG.replace("\ntrain:\n  devices: 8 ", f"\ntrain:\n  devices: {word} ", 1)
-    status, err = _render_with(tmp_path, capsys, text)
-    assert status == 2
-    assert_one_error_line(err, "train.devices")
+    _render_refused(tmp_path, capsys, text, "train.devices")
 
 
 def test_a_number_given_as_a_boolean_is_refused(tmp_path, capsys):
-    status, err = _render_with(tmp_path, capsys, CONFIG.replace(
-        "\ntrain:\n", "\ntrain:\n  max_epochs: true\n", 1))
-    assert status == 2
-    assert_one_error_line(err, "train.max_epochs", "not the boolean true")
+    _render_refused(tmp_path, capsys, CONFIG.replace(
+        "\ntrain:\n", "\ntrain:\n  max_epochs: true\n", 1),
+        "train.max_epochs", "not the boolean true")
 
 
 @pytest.mark.parametrize("override, needle", [
@@ -260,9 +283,7 @@ def test_a_number_given_as_a_boolean_is_refused(tmp_path, capsys):
     ("train.resume_from=s3://bucket/" + "k" * 1100, "more than the 1024 S3 allows"),
 ])
 def test_render_refuses_what_the_step_would(override, needle, tmp_path, capsys):
-    status, err = call(cli.main, ["render", "-o", tmp_path / "x.yaml", "-p", override], capsys)
-    assert status == 2, err
-    assert_one_error_line(err, needle)
+    _render_refused(tmp_path, capsys, CONFIG, needle, overrides=[override])
 
 
 # ============================================================ 8: error lines are lines
@@ -320,10 +341,12 @@ def test_a_binary_latest_pointer_is_one_line(tmp_path, capsys):
         store.latest_name()
 
 
-def test_a_case_smaller_than_the_patch_is_refused_before_training(tmp_path, capsys):
-    """A dataset whose validation case is 8x8 in-plane (preprocess pads every case to the
-    patch): validation reached a 1x1 deepest level and torch's instance norm raised."""
-    dataset = make_dataset(tmp_path / "data", 5, "48x48x24", 0, "64x64")
+@pytest.fixture(scope="module")
+def small_case(tmp_path_factory) -> tuple[Path, str]:
+    """A dataset whose fold-0 validation case is 8x8 in-plane (preprocess pads every case to
+    the patch, 64x64): validation reached a 1x1 deepest level and torch's instance norm
+    raised. (the dataset, that case's name)"""
+    dataset = make_dataset(tmp_path_factory.mktemp("small-case"), 5, "48x48x24", 0, "64x64")
     meta = json.loads((dataset / "dataset.json").read_text())
     case = next(c for c in meta["cases"] if c["name"] == meta["folds"][0]["val"][0])
     image, label = np.load(dataset / case["image"]), np.load(dataset / case["label"])
@@ -332,19 +355,46 @@ def test_a_case_smaller_than_the_patch_is_refused_before_training(tmp_path, caps
     case["shape"] = [image.shape[0], image.shape[1], 8, 8]
     (dataset / "dataset.json").write_text(json.dumps(meta))
     write_manifest(dataset, "dataset", "preprocess", {})
-    refused(train.main, ["--dataset", dataset, "--model", tmp_path / "model", "--device", "cpu",
-                         "--max-epochs", "1", "--steps-per-epoch", "1", "--fold", "0"], capsys,
-            f"case '{case['name']}': slices of 8x8 are smaller than patch_size 64x64")
-    assert not (tmp_path / "model").exists()
+    return dataset, case["name"]
+
+
+def _train(dataset: Path, home: Path):
+    return train.main, ["--dataset", dataset, "--model", home / "out", "--device", "cpu",
+                        "--max-epochs", "1", "--steps-per-epoch", "1", "--fold", "0"]
+
+
+def _convert(dataset: Path, home: Path):
+    return convert.main, ["--model", fake_model(home / "model"), "--dataset", dataset,
+                          "--exported", home / "out"]
+
+
+def _quantize(dataset: Path, home: Path):
+    """An ``exported`` artifact of fold 0 (the card's default): a 1x1 convolution."""
+    exported = home / "exported"
+    exported.mkdir()
+    (exported / quantize.CARD_FILE).write_text(json.dumps({"size_multiple": 8}))
+    onnx_model(exported / quantize.FP32_FILE, 4, 4)
+    write_manifest(exported, "exported", "convert", {})
+    return quantize.main, ["--exported", exported, "--dataset", dataset, "--quantized",
+                           home / "out", "--calibration-slices", "16"]
+
+
+@pytest.mark.parametrize("step", [_train, _convert, _quantize])
+def test_a_case_smaller_than_the_patch_is_refused_by_every_reader(step, small_case, tmp_path,
+                                                                  capsys):
+    dataset, name = small_case
+    main, argv = step(dataset, tmp_path)
+    _refused_leaving(tmp_path, main, argv, capsys,
+                     f"case '{name}': slices of 8x8 are smaller than patch_size 64x64")
 
 
 @pytest.mark.parametrize("name", ["label", "label.txt", "label.nii.gz.tmp", "label.gz"])
 def test_predict_out_that_is_not_nifti_is_refused(name, tmp_path, capsys):
     model = onnx_model(tmp_path / "m.onnx", 4, 2)
     image = nifti_file(tmp_path / "case.nii.gz", np.zeros((8, 8, 4, 4), np.float32))
-    refused(convert.main, ["predict", "--onnx", model, "--image", image, "--out",
-                           tmp_path / name], capsys, "--out", "must end with .nii.gz or .nii")
-    assert not (tmp_path / name).exists()
+    _refused_leaving(tmp_path, convert.main, ["predict", "--onnx", model, "--image", image,
+                                              "--out", tmp_path / name],
+                     capsys, "--out", "must end with .nii.gz or .nii")
 
 
 # ============================================= 1: a model is untrusted input at run time too
@@ -381,9 +431,11 @@ def _case(tmp_path: Path) -> Path:
                       np.random.default_rng(0).random((16, 16, 8)).astype(np.float32) + 1)
 
 
-def _predict(model: Path, tmp_path: Path, capsys) -> tuple[int, str]:
-    return call(convert.main, ["predict", "--onnx", model, "--image", _case(tmp_path), "--out",
-                               tmp_path / "label.nii.gz"], capsys)
+def _predict_refused(model: Path, tmp_path: Path, capsys, *needles: str) -> str:
+    """``python -m steps.convert predict`` with ``model`` is refused and writes nothing."""
+    return _refused_leaving(tmp_path, convert.main, [
+        "predict", "--onnx", model, "--image", _case(tmp_path), "--out",
+        tmp_path / "label.nii.gz"], capsys, *needles)
 
 
 def test_a_model_that_fails_while_running_is_one_line(tmp_path, capsys):
@@ -391,10 +443,7 @@ def test_a_model_that_fails_while_running_is_one_line(tmp_path, capsys):
     nodes = _two_channels() + [helper.make_node("Gather", ["both", "index"], ["logits"],
                                                 axis=1)]
     model = _model(tmp_path / "m.onnx", nodes, [("index", np.array([0, 7], np.int64))])
-    status, err = _predict(model, tmp_path, capsys)
-    assert status == 2
-    assert_one_error_line(err, "the model failed while running")
-    assert not (tmp_path / "label.nii.gz").exists()
+    _predict_refused(model, tmp_path, capsys, "the model failed while running")
 
 
 def test_a_model_whose_input_is_not_float_is_refused_before_it_runs(tmp_path, capsys):
@@ -402,9 +451,7 @@ def test_a_model_whose_input_is_not_float_is_refused_before_it_runs(tmp_path, ca
     nodes = [helper.make_node("Cast", ["image"], ["f"], to=TensorProto.FLOAT),
              helper.make_node("Concat", ["f", "f"], ["logits"], axis=1)]
     model = _model(tmp_path / "m.onnx", nodes, image_type=TensorProto.DOUBLE)
-    status, err = _predict(model, tmp_path, capsys)
-    assert status == 2
-    assert_one_error_line(err, "tensor(double)", "one float input 'image'")
+    _predict_refused(model, tmp_path, capsys, "tensor(double)", "one float input 'image'")
 
 
 def test_a_custom_domain_operator_is_refused_before_anything_runs_it(tmp_path, capsys):
@@ -412,8 +459,7 @@ def test_a_custom_domain_operator_is_refused_before_anything_runs_it(tmp_path, c
     nodes = [helper.make_node("Concat", ["image", "image"], ["both"], axis=1),
              helper.make_node("Secret", ["both"], ["logits"], domain="com.example")]
     model = _model(tmp_path / "m.onnx", nodes, functions=["com.example"])
-    with pytest.raises(StepError, match="domain 'com.example'"):
-        predict.open_session(model)
+    _predict_refused(model, tmp_path, capsys, "domain 'com.example'")
 
 
 def _endless_model(path: Path) -> Path:
@@ -442,9 +488,8 @@ def test_an_endless_model_is_bounded_in_time(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("UNET_MAX_INFERENCE_SECONDS", "2")
     model = _endless_model(tmp_path / "m.onnx")
     started = time.monotonic()
-    status, err = _predict(model, tmp_path, capsys)
-    assert status == 2 and time.monotonic() - started < 60
-    assert_one_error_line(err, "ran past 2 s", "UNET_MAX_INFERENCE_SECONDS")
+    _predict_refused(model, tmp_path, capsys, "ran past 2 s", "UNET_MAX_INFERENCE_SECONDS")
+    assert time.monotonic() - started < 60
 
 
 @pytest.mark.slow
