@@ -431,12 +431,12 @@ kc apply --server-side -k "$install" > /dev/null
 wait_for "Argo CRDs Established" 60 kc wait --for=condition=Established crd --all --timeout=5s
 wait_for "workflow-controller and argo-server rolled out" 180 \
   kc -n argo rollout status deploy/workflow-controller deploy/argo-server --timeout=5s
-# Clients reach the server as Argo's docs tell users to: `kubectl port-forward svc/argo-server`,
-# on loopback. A port-forward ends when its pod goes away; this one starts again, as a user
-# would start it again.
-start argo-port-forward bash -c 'trap "kill \$pf 2> /dev/null; exit 0" TERM
-  while :; do kubectl --kubeconfig "$1" -n argo port-forward svc/argo-server 2746:2746 & pf=$!
-    wait $pf; sleep 1; done' port-forward "$KUBECONFIG_ADMIN"
+# Clients reach the server as Argo's docs tell users to, through `kubectl port-forward
+# svc/argo-server`, on loopback: behind cluster/forward.py, which keeps 127.0.0.1:2746 itself and
+# starts kubectl again whenever it ends (on the first connection the server resets, or when its
+# pod goes away), so that no call is refused in between.
+start argo-port-forward python3 "$here/forward.py" 127.0.0.1:2746 2746 -- \
+  --kubeconfig "$KUBECONFIG_ADMIN" -n argo svc/argo-server
 ARGO_URL=https://127.0.0.1:2746
 argo_curl() { curl -s --cacert "$ARGO_PKI/ca.crt" "$@"; }
 refuses_anonymous() {   # 503 until it has started; then 401, or the server is open

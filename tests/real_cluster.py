@@ -381,11 +381,13 @@ def cli(argo: ArgoServer, *args: str, timeout: float = WAIT_S + 60) -> subproces
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def argo_cli(argo: ArgoServer, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def argo_cli(argo: ArgoServer, *args: str, timeout: float = 120,
+             http1: bool = True) -> subprocess.CompletedProcess:
     """The argo CLI that cluster/build.sh built, through argo server as ``argo``'s account,
-    with the server's CA (Go reads SSL_CERT_FILE)."""
+    with the server's CA (Go reads SSL_CERT_FILE); ``http1=False``: gRPC, the CLI's default."""
     binary = CACHE / f"argo-{pin('ARGO_VERSION')}-ui" / "bin" / "argo"
-    env = {**os.environ, "ARGO_SERVER": ARGO_URL.removeprefix("https://"), "ARGO_HTTP1": "true",
+    env = {**os.environ, "ARGO_SERVER": ARGO_URL.removeprefix("https://"),
+           "ARGO_HTTP1": "true" if http1 else "false",
            "ARGO_TOKEN": argo.token, "ARGO_NAMESPACE": argo.namespace,
            "SSL_CERT_FILE": str(ARGO_CA)}
     return subprocess.run([str(binary), *args], env=env, capture_output=True, text=True,

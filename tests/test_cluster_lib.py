@@ -1,7 +1,12 @@
-"""cluster/lib.sh's host-side helpers, on files of the test's own (no cluster, no root)."""
+"""cluster/'s host-side helpers, without a cluster: lib.sh's on files of the test's own, and
+forward.py in front of a stand-in kubectl."""
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 LIB = Path(__file__).resolve().parents[1] / "cluster" / "lib.sh"
@@ -38,3 +43,64 @@ def test_restore_sysctls_is_silent_when_all_take(tmp_path):
     done = restore(saved, root)
     assert (done.returncode, done.stdout) == (0, "")
     assert (root / "kernel/panic").read_text() == "0\n"
+
+
+# ---- cluster/forward.py: the port-forward that outlives kubectl's ----------------------------
+# A stand-in kubectl serves a few connections (each answered in upper case), then ends as the
+# real one does on a reset stream. The real one, on the real cluster, is
+# tests/test_cluster.py's 200 calls in a row.
+FAKE_KUBECTL = '''#!{python}
+import socket, sys
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen()
+print(f"Forwarding from 127.0.0.1:{{server.getsockname()[1]}} -> {{sys.argv[-1][1:]}}", flush=True)
+for _ in range({serves}):
+    conn, _ = server.accept()
+    conn.sendall(conn.recv(100).upper())
+    conn.close()
+print("error: lost connection to pod", file=sys.stderr)
+sys.exit(1)
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ask(port: int, deadline: float = 30) -> bytes:
+    end = time.monotonic() + deadline
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+                conn.sendall(b"ping")
+                return conn.recv(100)
+        except ConnectionRefusedError:   # only until forward.py listens
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.1)
+
+
+def test_forward_keeps_its_address_while_kubectl_ends_and_starts_again(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    kubectl = bin_dir / "kubectl"
+    kubectl.write_text(FAKE_KUBECTL.format(python=sys.executable, serves=3))
+    kubectl.chmod(0o755)
+    port = _free_port()
+    log = tmp_path / "forward.log"
+    with log.open("w") as err:
+        forward = subprocess.Popen(
+            [sys.executable, str(LIB.parent / "forward.py"), f"127.0.0.1:{port}", "2746", "--",
+             "-n", "argo", "svc/argo-server"], stderr=err,
+            env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    try:
+        answers = [_ask(port) for _ in range(20)]
+    finally:
+        forward.terminate()
+        forward.wait(timeout=30)
+    assert answers == [b"PING"] * 20            # none refused, none lost
+    said = log.read_text()
+    assert said.count("kubectl port-forward ended (exit 1: error: lost connection to pod)") >= 6
