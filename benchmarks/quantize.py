@@ -1,5 +1,6 @@
 """10. INT8 on CPU: the quantize step's model against the FP32 ONNX model in onnxruntime,
-img/s at batch 1 and 16, rounds alternated; OpenVINO (FP32 and NNCF INT8) where installed.
+img/s at batch 1 and 16, rounds alternated; OpenVINO (FP32 held to f32, its default precision,
+and NNCF INT8) where installed, each row naming the precision the runtime really computes in.
 
 The network is the anchors' (32 filters, 6 levels) at the patch size, calibrated by
 ``steps.quantize`` on real slices of a synthetic dataset made by the real steps. Its
@@ -34,20 +35,36 @@ def cpu_isa() -> dict[str, bool]:
 
 
 def _openvino(fp32: Path, calibration, keep: list[str]) -> tuple[dict, str]:
-    """OpenVINO's FP32 model and the quantize step's NNCF INT8 IR, and why they are left out
-    ({} with the reason: no openvino, or its CPU plugin cannot compile them on this
-    instruction set, e.g. under ONEDNN_MAX_CPU_ISA=AVX2)."""
+    """OpenVINO's models: the FP32 model held to f32, the same at the CPU plugin's default
+    precision (bf16 where the CPU has AMX or AVX-512 BF16: its "FP32" is not FP32 there) and
+    the quantize step's NNCF INT8 IR; and why they are left out ({} with the reason: no
+    openvino, or its CPU plugin cannot compile them on this instruction set, e.g. under
+    ONEDNN_MAX_CPU_ISA=AVX2)."""
     made = quantize.openvino_ir(fp32, fp32.with_name("int8-openvino.xml"), calibration, keep)
     if made is None:
         return {}, "openvino and nncf are not installed"
     if made[0] is None:
         return {}, made[1]
     import openvino as ov
+    model = ov.convert_model(str(fp32))
     try:
-        compiled = ov.Core().compile_model(ov.convert_model(str(fp32)), "CPU")
+        compiled = {"openvino_fp32": ov.Core().compile_model(
+                        model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}),
+                    "openvino_default": ov.Core().compile_model(model, "CPU")}
     except RuntimeError as exc:
         return {}, f"OpenVINO's CPU plugin cannot compile the FP32 model here ({exc!s:.160})"
-    return {"openvino_fp32": compiled, "openvino_int8": made[0]}, ""
+    if precision_used("openvino_default", compiled["openvino_default"]) == "f32":
+        del compiled["openvino_default"]          # the same model as openvino_fp32 here
+    return {**compiled, "openvino_int8": made[0]}, ""
+
+
+def precision_used(name: str, runner) -> str:
+    """The precision a runtime really computes in: OpenVINO's compiled model says it
+    (INFERENCE_PRECISION_HINT as resolved for this CPU); onnxruntime's CPU provider computes
+    the FP32 model in f32 and the QDQ model's convolutions in int8."""
+    if name.startswith("openvino"):
+        return runner.get_property("INFERENCE_PRECISION_HINT").get_type_name()  # "f32", "bf16"
+    return {"fp32": "f32", "int8": "int8 (QDQ; first and last convolutions f32)"}[name]
 
 
 def measure(workdir: str, dataset: str, patch, batches, repeats: int, rounds: int,
@@ -73,8 +90,10 @@ def measure(workdir: str, dataset: str, patch, batches, repeats: int, rounds: in
     openvino, left_out = _openvino(fp32, calibration, kept)
     runners.update({name: (lambda c: lambda x: c(x))(compiled)
                     for name, compiled in openvino.items()})
+    used = {**{name: precision_used(name, None) for name in sessions},
+            **{name: precision_used(name, compiled) for name, compiled in openvino.items()}}
     out = {"quantize_s": quantize_s, "runtimes": sorted(runners), "rates": {},
-           "openvino_left_out": left_out}
+           "precision_used": used, "openvino_left_out": left_out}
     for batch in batches:
         x = np.random.default_rng(0).standard_normal(
             (batch, config.in_channels, *patch)).astype(np.float32)
@@ -103,10 +122,13 @@ def run(settings: Settings) -> dict:
         rows.append(Row("quantize", f"img/s, batch {batch}, INT8 onnxruntime", "img/s",
                         rates["int8"], rates["fp32"], "FP32 onnxruntime",
                         ">= 2" if batch == settings.batch else ""))
+        used = result["precision_used"]
         for name, label in (("openvino_fp32", "OpenVINO FP32"),
+                            ("openvino_default", "OpenVINO at its default precision"),
                             ("openvino_int8", "OpenVINO NNCF INT8")):
             if name in rates:
-                rows.append(Row("quantize", f"img/s, batch {batch}, {label}", "img/s",
-                                rates[name], rates["fp32"], "FP32 onnxruntime"))
+                rows.append(Row("quantize", f"img/s, batch {batch}, {label} (computes in "
+                                f"{used[name]})", "img/s", rates[name], rates["fp32"],
+                                "FP32 onnxruntime"))
     return {"rows": rows, "details": {**result, "isa": cpu_isa(), "patch": list(settings.patch),
                                       "peak_rss_bytes": rss}}

@@ -30,10 +30,17 @@ _AWS_OVERRIDES = ("AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE",
 
 
 def pytest_collection_modifyitems(items):
-    """Mark every test that uses the S3 server with ``s3`` (select with ``-m s3``)."""
+    """Mark every test that uses the S3 server with ``s3`` (select with ``-m s3``); run the
+    tests on the real cluster last, one after another, so that the cluster (a session
+    fixture) is up only while they run, not beside the host tests."""
     for item in items:
         if "s3" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.s3)
+    items.sort(key=uses_cluster)      # stable: each part keeps its order
+
+
+def uses_cluster(item) -> bool:
+    return "cluster" in getattr(item, "fixturenames", ())
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -120,44 +121,89 @@ def _host_sysctls() -> dict[str, str]:
     return {name: Path("/proc/sys", name).read_text().strip() for name in names}
 
 
+class _Start:
+    """cluster/up.sh, then our image into containerd, in a thread: begun by
+    :func:`start_early` while the last host tests run (tests/conftest.py), or by the
+    ``cluster`` fixture itself. Before it, what down.sh must leave alone: a neighbouring
+    node's chain and cgroup, and the host sysctls the kubelet changes."""
+
+    def __init__(self):
+        self.keep = os.environ.get("UNET_CLUSTER_KEEP") == "1"
+        # down.sh spares the rules that were there before the cluster's first start; a
+        # neighbour planted while a kept cluster runs would be taken for the cluster's own, so
+        # it is planted, and checked, only when the cluster starts from nothing (as in CI).
+        self.neighbour = not self.keep and not _started_before()
+        if self.neighbour:
+            _plant_neighbour(True)
+        self.planted, self.host = _neighbour(), _host_sysctls()
+        self.up = self.load = None
+        self.thread = threading.Thread(target=self._run, name="cluster-start", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.up = _script("up.sh", timeout=600)
+        if self.up.returncode == 0:
+            self.load = _script("load-image.sh", IMAGE, timeout=1200)
+
+    def stop(self) -> None:
+        """down.sh, then the checks that it took only what the cluster made."""
+        self.thread.join()
+        if self.keep:
+            return
+        down = _script("down.sh", timeout=300)
+        left = _neighbour()
+        if self.neighbour:
+            _plant_neighbour(False)
+        assert down.returncode == 0, f"cluster/down.sh: {_last_lines(down.stderr)}"
+        assert left == self.planted, \
+            f"cluster/down.sh took a neighbour's {self.planted} (left {left})"
+        if self.neighbour:      # from nothing: what the kubelet found, down.sh puts back
+            assert _host_sysctls() == self.host, "cluster/down.sh left the kubelet's sysctls"
+
+
+_early: _Start | None = None     # begun by start_early, not yet taken by the fixture
+
+
+def start_early() -> None:
+    """Begin the cluster's start now, in the background (a no-op where it cannot run)."""
+    global _early
+    if _early is None and not _unavailable():
+        _early = _Start()
+
+
+def stop_unused() -> None:
+    """Stop a cluster that start_early began but no test took (an interrupted session)."""
+    global _early
+    if _early is not None:
+        start, _early = _early, None
+        start.stop()
+
+
 @pytest.fixture(scope="session")
 def cluster():
-    """cluster/up.sh, then our image into containerd; cluster/down.sh at the end, which must
-    leave a neighbouring node's iptables chain and cgroups as they were."""
+    """The started cluster (up.sh, our image loaded); down.sh at the end, which must leave a
+    neighbouring node's iptables chain and cgroups, and the host's sysctls, as they were."""
+    global _early
     reason = _unavailable()
     if reason:
         _skip(reason)
-    keep = os.environ.get("UNET_CLUSTER_KEEP") == "1"
-    # down.sh spares the rules that were there before the cluster's first start; a neighbour
-    # planted while a kept cluster runs would be taken for the cluster's own, so the
-    # neighbour is planted, and checked, only when the cluster starts from nothing (as in CI).
-    neighbour = not keep and not _started_before()
-    if neighbour:
-        _plant_neighbour(True)
-    elif not keep:
+    start, _early = _early or _Start(), None
+    if not start.neighbour and not start.keep:
         print("real_cluster: a cluster of an earlier run is up; down.sh's neighbour check "
               "needs a start from nothing, and is left out", file=sys.stderr)
-    planted, host = _neighbour(), _host_sysctls()
     try:   # down.sh also after a failed start: up.sh may have started some of it
-        up = _script("up.sh", timeout=600)
+        start.thread.join()
+        up = start.up
         if up.returncode != 0:
             if "run bash cluster/build.sh first" in up.stderr:
                 _skip(f"the cluster is not built: {_last_lines(up.stderr, 1)}")
             print(up.stderr, file=sys.stderr)     # whole, in the setup's captured stderr
             pytest.fail(f"cluster/up.sh failed: {_last_lines(up.stderr)}")
-        load = _script("load-image.sh", IMAGE, timeout=1200)
-        assert load.returncode == 0, f"cluster/load-image.sh: {_last_lines(load.stderr)}"
+        assert start.load.returncode == 0, \
+            f"cluster/load-image.sh: {_last_lines(start.load.stderr)}"
         yield
     finally:
-        if not keep:
-            down = _script("down.sh", timeout=300)
-            left = _neighbour()
-            if neighbour:
-                _plant_neighbour(False)
-            assert down.returncode == 0, f"cluster/down.sh: {_last_lines(down.stderr)}"
-            assert left == planted, f"cluster/down.sh took a neighbour's {planted} (left {left})"
-            if neighbour:      # from nothing: what the kubelet found, down.sh puts back
-                assert _host_sysctls() == host, "cluster/down.sh left the kubelet's sysctls"
+        start.stop()
 
 
 def kubectl(*args: str, stdin: str | None = None, check: bool = True) -> str:

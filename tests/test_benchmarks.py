@@ -86,13 +86,16 @@ def test_smoke_runs_the_cpu_share_sweep(tmp_path):
 
 
 def test_smoke_runs_the_contention_rounds(tmp_path):
-    """The four steps idle and beside a spinning neighbour, ours and before; ours says its
-    thread count in its log, before (UNET_ADAPT_THREADS=0) does not."""
+    """The four steps idle and beside a spinning neighbour (ours), and idle (before: its
+    collapse beside the neighbour is the full run's, at about 1 % of the idle rate); ours
+    says its thread count in its log, before (UNET_ADAPT_THREADS=0) does not."""
     report = _smoke(["contention"], tmp_path)
     _check_rows(report, ["contention"])
     runs = report["benchmarks"]["contention"]["details"]["runs"]
     assert {(r["step"], r["neighbours"]) for r in runs} == {
         (step, n) for step in ("train", "preprocess", "convert", "quantize") for n in (0, 1)}
+    assert {(r["side"], r["neighbours"]) for r in runs} == {("ours", 0), ("ours", 1),
+                                                             ("before", 0)}
     for run in runs:
         assert bool(run["threads_lines"]) == (run["side"] == "ours"), run
         assert run["cpu_s"] > 0 and run["wall_s"] > 0
