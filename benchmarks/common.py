@@ -258,16 +258,6 @@ def dataset_dir(settings: Settings, mode: str = "default") -> Path:
 
 # ---------------------------------------------------------------------------- machine
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def _version(module: str) -> str | None:
     try:
         return version(module)
@@ -305,7 +295,7 @@ def machine() -> dict[str, Any]:
         pass
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu_model": _cpu_model(), "arch": platform.machine(),
+        "cpu_model": limits.cpu_model(), "arch": platform.machine(),
         "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
         "step_cpus": limits.cpu_count(),      # what a step run here sizes its threads to
         "memory_gib": round(mem / 2 ** 30, 1), "gpu": machine_gpu(),

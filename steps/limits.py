@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import platform
 import re
 import sys
 import time
@@ -381,6 +382,17 @@ class FairThreads:
         busy = "not measured" if others is None else f"{others:.1f} CPU busy with other work"
         print(f"threads: {self.count} of {self.ceiling} ({busy} on {len(self.cpus)} CPU(s); "
               f"{ADAPT_ENV}=0 keeps {self.ceiling})", file=sys.stderr)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), for figures that depend on it (speeds)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def memory_bytes(root: Path = Path("/")) -> int:

@@ -15,7 +15,6 @@ import secrets
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -122,10 +121,9 @@ def _host_sysctls() -> dict[str, str]:
 
 
 class _Start:
-    """cluster/up.sh, then our image into containerd, in a thread: begun by
-    :func:`start_early` while the last host tests run (tests/conftest.py), or by the
-    ``cluster`` fixture itself. Before it, what down.sh must leave alone: a neighbouring
-    node's chain and cgroup, and the host sysctls the kubelet changes."""
+    """cluster/up.sh, then our image into containerd. Before it, what down.sh must leave
+    alone is noted: a neighbouring node's chain and cgroup, and the host sysctls that the
+    kubelet changes."""
 
     def __init__(self):
         self.keep = os.environ.get("UNET_CLUSTER_KEEP") == "1"
@@ -137,17 +135,14 @@ class _Start:
             _plant_neighbour(True)
         self.planted, self.host = _neighbour(), _host_sysctls()
         self.up = self.load = None
-        self.thread = threading.Thread(target=self._run, name="cluster-start", daemon=True)
-        self.thread.start()
 
-    def _run(self) -> None:
+    def run(self) -> None:
         self.up = _script("up.sh", timeout=600)
         if self.up.returncode == 0:
             self.load = _script("load-image.sh", IMAGE, timeout=1200)
 
     def stop(self) -> None:
         """down.sh, then the checks that it took only what the cluster made."""
-        self.thread.join()
         if self.keep:
             return
         down = _script("down.sh", timeout=300)
@@ -161,38 +156,19 @@ class _Start:
             assert _host_sysctls() == self.host, "cluster/down.sh left the kubelet's sysctls"
 
 
-_early: _Start | None = None     # begun by start_early, not yet taken by the fixture
-
-
-def start_early() -> None:
-    """Begin the cluster's start now, in the background (a no-op where it cannot run)."""
-    global _early
-    if _early is None and not _unavailable():
-        _early = _Start()
-
-
-def stop_unused() -> None:
-    """Stop a cluster that start_early began but no test took (an interrupted session)."""
-    global _early
-    if _early is not None:
-        start, _early = _early, None
-        start.stop()
-
-
 @pytest.fixture(scope="session")
 def cluster():
     """The started cluster (up.sh, our image loaded); down.sh at the end, which must leave a
     neighbouring node's iptables chain and cgroups, and the host's sysctls, as they were."""
-    global _early
     reason = _unavailable()
     if reason:
         _skip(reason)
-    start, _early = _early or _Start(), None
+    start = _Start()
     if not start.neighbour and not start.keep:
         print("real_cluster: a cluster of an earlier run is up; down.sh's neighbour check "
               "needs a start from nothing, and is left out", file=sys.stderr)
     try:   # down.sh also after a failed start: up.sh may have started some of it
-        start.thread.join()
+        start.run()
         up = start.up
         if up.returncode != 0:
             if "run bash cluster/build.sh first" in up.stderr:

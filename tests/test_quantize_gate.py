@@ -3,9 +3,12 @@ into the image they segment, so the Dice drop and the agreement are known exactl
 gate is checked a hair inside and a hair outside each of its bounds."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
+from steps import limits
 from steps.dataset import Case
 from steps.errors import StepError
 from steps.quantize import check_gate, gate
@@ -73,3 +76,22 @@ def test_each_bound_passes_just_inside_and_fails_just_outside(bound, needle):
     with pytest.raises(StepError, match="nothing published") as missed:
         check_gate(figures, "INT8", {**loose, bound: measured[bound] - step})
     assert needle in str(missed.value)
+
+
+class Slow(LabelReader):
+    """The same labels, a fixed time later."""
+
+    def run(self, names, feeds, run_options=None):
+        time.sleep(0.02)
+        return super().run(names, feeds, run_options)
+
+
+@pytest.mark.parametrize("int8, slower", [(Slow(False), True), (LabelReader(False), False)])
+def test_the_figures_say_whether_int8_was_slower_and_on_which_cpu(int8, slower):
+    """A user reads int8_speedup against the CPU that measured it: the figures name it, and
+    say when INT8 was the slower (here a stand-in that sleeps, against one that does not)."""
+    fp32 = LabelReader(False) if slower else Slow(False)
+    figures = gate({"fp32": fp32, "int8": int8}, [_case()], 8, CLASSES)
+    assert figures["int8"]["slower_than_fp32"] is slower
+    assert (figures["int8"]["speedup"] < 1) is slower
+    assert figures["speed_measured_on"] == limits.cpu_model() != ""
