@@ -8,10 +8,13 @@ refused. Seen on the test cluster: 4 of 20 ``argo list`` calls in a row refused,
 ``connection reset by peer`` from argo server's side.
 
 This process keeps the listening address itself (the one clients are told to use) and hands
-each connection it accepts to a ``kubectl port-forward`` on a port of kubectl's choosing, which
-it starts again whenever it ends; a connection that arrives in between waits for the next one
-(up to ``--wait`` seconds) instead of being refused. A connection that was open through the
-kubectl that ended is lost with it, as it would be with kubectl alone.
+each connection it accepts to a ``kubectl port-forward`` of its own, on a port of kubectl's
+choosing, started ahead so that a connection seldom waits; the kubectl is stopped when its
+connection ends. A reset stream then ends one connection's kubectl and no other connection
+(with one shared kubectl, the reset that followed one call's end cut the next call: 1 of 200
+calls failed). A connection whose kubectl ended before any byte came back is sent again
+through the next one (nothing reached the server then: TLS answers first). No call is
+refused while kubectl starts: it waits up to ``--wait`` seconds.
 
     python3 cluster/forward.py 127.0.0.1:2746 2746 -- --kubeconfig K -n argo svc/argo-server
 
@@ -30,96 +33,147 @@ import time
 FORWARDING = re.compile(rb"^Forwarding from 127\.0\.0\.1:(\d+) ->")
 CHUNK = 1 << 16
 RESENDS = 3              # a connection is sent again through at most this many kubectls
+SPARES = 2               # kubectls started ahead, ready for the next connections
 
 
 def log(message: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} forward: {message}", file=sys.stderr, flush=True)
 
 
+class Kubectl:
+    """One ``kubectl port-forward`` on a port of its choosing, for one connection."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, port: int, errors: asyncio.Future):
+        self.proc, self.port, self.errors = proc, port, errors
+
+    async def ended(self, within: float) -> bool:
+        """Whether it has ended, or does within ``within`` seconds."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.proc.wait()), within)
+        return self.proc.returncode is not None
+
+    def stop(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.terminate()
+
+
 class Forward:
-    """One listening address in front of a kubectl port-forward that is kept running."""
+    """One listening address; each connection through a kubectl port-forward of its own,
+    started ahead (``SPARES`` wait ready), so that what ends one kubectl (a stream the server
+    resets, even after its connection closed) ends no other connection."""
 
     def __init__(self, remote: int, kubectl_args: list[str], wait: float):
         self.remote, self.kubectl_args, self.wait = remote, kubectl_args, wait
-        self.upstream: int | None = None          # kubectl's local port while it runs
-        self.ready = asyncio.Event()
-        self.proc: asyncio.subprocess.Process | None = None
-        self.starts = 0
+        self.ready: asyncio.Queue[Kubectl] = asyncio.Queue()
+        self.tasks: set[asyncio.Task] = set()     # held: a pending task is not collected
+        self.running: set[Kubectl] = set()
+        self.lost = 0                             # kubectls that ended under a connection
 
-    async def keep_kubectl(self) -> None:
-        """Run kubectl port-forward, and again each time it ends."""
+    def _hold(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    def start_spares(self) -> None:
+        for _ in range(SPARES):
+            self._hold(self._spare())
+
+    async def _spare(self) -> None:
+        """Start a kubectl and put it in ``ready`` once it listens; retried until one does."""
         while True:
-            self.starts += 1
-            self.proc = await asyncio.create_subprocess_exec(
+            proc = await asyncio.create_subprocess_exec(
                 "kubectl", "port-forward", *self.kubectl_args, f":{self.remote}",
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                 stdin=asyncio.subprocess.DEVNULL)
-            errors = asyncio.ensure_future(self._last_error(self.proc.stderr))
-            await self._read_port(self.proc.stdout)
-            code = await self.proc.wait()
-            self.ready.clear()
-            self.upstream = None
-            log(f"kubectl port-forward ended (exit {code}: {await errors or 'no message'}); "
-                "starting it again")
-            await asyncio.sleep(0.2)
+            errors = self._hold(_last_line(proc.stderr))
+            port = await _port(proc.stdout)
+            if port is not None:
+                self._hold(_drain(proc.stdout))
+                kubectl = Kubectl(proc, port, errors)
+                self.running.add(kubectl)
+                await self.ready.put(kubectl)
+                return
+            await proc.wait()
+            log(f"kubectl port-forward did not start (exit {proc.returncode}: "
+                f"{await errors or 'no message'}); trying again")
+            await asyncio.sleep(1.0)
 
-    async def _read_port(self, stdout: asyncio.StreamReader) -> None:
-        """Learn kubectl's port from its first line; drain the rest (a line per connection)."""
-        while line := await stdout.readline():
-            if self.upstream is None and (match := FORWARDING.match(line)):
-                self.upstream = int(match[1])
-                self.ready.set()
-
-    @staticmethod
-    async def _last_error(stderr: asyncio.StreamReader) -> str:
-        last = ""
-        while line := await stderr.readline():
-            last = line.decode(errors="replace").strip()[:300] or last
-        return last
-
-    async def _connect(self):
-        """A connection to kubectl's listener, waiting for a kubectl that is starting."""
+    async def _take(self) -> Kubectl | None:
+        """A ready kubectl that is still running (another is started in its place)."""
         deadline = time.monotonic() + self.wait
         while (left := deadline - time.monotonic()) > 0:
             try:
-                await asyncio.wait_for(self.ready.wait(), left)
-                return await asyncio.open_connection("127.0.0.1", self.upstream)
-            except (OSError, TypeError):        # it ended between ready and connect
-                await asyncio.sleep(0.1)
+                kubectl = await asyncio.wait_for(self.ready.get(), left)
             except asyncio.TimeoutError:
                 break
+            self._hold(self._spare())
+            if kubectl.proc.returncode is None:
+                return kubectl
+            self.running.discard(kubectl)
         return None
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Relay one client connection. One that the kubectl it went to ended with before any
-        byte came back (accepted into its listen queue as it died) is sent again through the
-        next kubectl: nothing reached the server then (a TLS handshake answers first)."""
+        """Relay one client connection. One whose kubectl ended before any byte came back is
+        sent again through the next: nothing reached the server then (TLS answers first)."""
+        self.tasks.add(asyncio.current_task())
         link = _Link(writer)
-        sending = asyncio.ensure_future(link.send(reader))
+        sending = self._hold(link.send(reader))
+        kubectl = None
         try:
             for _ in range(RESENDS + 1):
-                generation = self.starts
-                upstream = await self._connect()
-                if upstream is None:
+                kubectl = await self._take()
+                if kubectl is None:
                     log(f"no kubectl port-forward within {self.wait:g} s: connection closed")
                     break
-                link.attach(upstream[1])
-                if await link.receive(upstream[0]) or not await self._ended(generation):
+                try:
+                    up_reader, up_writer = await asyncio.open_connection("127.0.0.1",
+                                                                         kubectl.port)
+                except OSError:
+                    self._retire(kubectl)
+                    continue
+                link.attach(up_writer)
+                if await link.receive(up_reader) or not await kubectl.ended(3.0):
                     break
+                self.lost += 1
+                log(f"kubectl port-forward ended before its connection was answered (exit "
+                    f"{kubectl.proc.returncode}: {await kubectl.errors or 'no message'}); "
+                    "sent again")
+                self._retire(kubectl)
         finally:
             sending.cancel()
             link.close()
+            if kubectl is not None:
+                self._retire(kubectl)
+            self.tasks.discard(asyncio.current_task())
 
-    async def _ended(self, generation: int, within: float = 3.0) -> bool:
-        """Whether the kubectl of ``generation`` has ended (or does within ``within`` s)."""
-        deadline = time.monotonic() + within
-        while self.starts == generation and self.ready.is_set() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        return self.starts != generation or not self.ready.is_set()
+    def _retire(self, kubectl: Kubectl) -> None:
+        kubectl.stop()
+        self.running.discard(kubectl)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.terminate()
+        for kubectl in list(self.running):
+            kubectl.stop()
+
+
+async def _port(stdout: asyncio.StreamReader) -> int | None:
+    """kubectl's port, from its first line (None if it ends first)."""
+    while line := await stdout.readline():
+        if match := FORWARDING.match(line):
+            return int(match[1])
+    return None
+
+
+async def _drain(stdout: asyncio.StreamReader) -> None:
+    while await stdout.readline():      # a line per connection; unread, kubectl would block
+        pass
+
+
+async def _last_line(stderr: asyncio.StreamReader) -> str:
+    last = ""
+    while line := await stderr.readline():
+        last = line.decode(errors="replace").strip()[:300] or last
+    return last
 
 
 class _Link:
@@ -180,13 +234,12 @@ async def serve(host: str, port: int, forward: Forward) -> None:
     done = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, done.set)
-    keeper = asyncio.ensure_future(forward.keep_kubectl())
+    forward.start_spares()
     log(f"listening on {host}:{port}, forwarding to port {forward.remote} of "
-        f"{forward.kubectl_args[-1]}")
+        f"{forward.kubectl_args[-1]}, a kubectl port-forward per connection")
     await done.wait()
-    keeper.cancel()
-    forward.stop()
     server.close()
+    forward.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
