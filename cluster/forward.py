@@ -66,7 +66,7 @@ class Forward:
         self.remote, self.kubectl_args, self.wait = remote, kubectl_args, wait
         self.ready: asyncio.Queue[Kubectl] = asyncio.Queue()
         self.tasks: set[asyncio.Task] = set()     # held: a pending task is not collected
-        self.running: set[Kubectl] = set()
+        self.procs: set[asyncio.subprocess.Process] = set()   # every kubectl not yet ended
         self.lost = 0                             # kubectls that ended under a connection
 
     def _hold(self, coro) -> asyncio.Task:
@@ -86,15 +86,15 @@ class Forward:
                 "kubectl", "port-forward", *self.kubectl_args, f":{self.remote}",
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                 stdin=asyncio.subprocess.DEVNULL)
+            self.procs.add(proc)
             errors = self._hold(_last_line(proc.stderr))
             port = await _port(proc.stdout)
             if port is not None:
                 self._hold(_drain(proc.stdout))
-                kubectl = Kubectl(proc, port, errors)
-                self.running.add(kubectl)
-                await self.ready.put(kubectl)
+                await self.ready.put(Kubectl(proc, port, errors))
                 return
             await proc.wait()
+            self.procs.discard(proc)
             log(f"kubectl port-forward did not start (exit {proc.returncode}: "
                 f"{await errors or 'no message'}); trying again")
             await asyncio.sleep(1.0)
@@ -110,7 +110,7 @@ class Forward:
             self._hold(self._spare())
             if kubectl.proc.returncode is None:
                 return kubectl
-            self.running.discard(kubectl)
+            self.procs.discard(kubectl.proc)
         return None
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -149,11 +149,20 @@ class Forward:
 
     def _retire(self, kubectl: Kubectl) -> None:
         kubectl.stop()
-        self.running.discard(kubectl)
+        self.procs.discard(kubectl.proc)
 
-    def stop(self) -> None:
-        for kubectl in list(self.running):
-            kubectl.stop()
+    async def stop(self) -> None:
+        """Every kubectl it started, the ones starting and waiting ready included, ended."""
+        for task in list(self.tasks):
+            task.cancel()
+        for proc in list(self.procs):
+            if proc.returncode is None:
+                proc.terminate()
+        for proc in list(self.procs):
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(proc.wait(), 5)
+            if proc.returncode is None:
+                proc.kill()
 
 
 async def _port(stdout: asyncio.StreamReader) -> int | None:
@@ -239,7 +248,7 @@ async def serve(host: str, port: int, forward: Forward) -> None:
         f"{forward.kubectl_args[-1]}, a kubectl port-forward per connection")
     await done.wait()
     server.close()
-    forward.stop()
+    await forward.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,6 +69,18 @@ sys.exit(1)
 '''
 
 
+def _running(program: Path) -> list[str]:
+    """The processes whose command line runs ``program``."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(program).encode() in cmdline.read_bytes():
+                found.append(cmdline.parent.name)
+        except OSError:
+            pass
+    return found
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -110,6 +122,7 @@ def test_forward_gives_each_connection_a_kubectl_and_resends_an_unanswered_one(t
         forward.terminate()
         forward.wait(timeout=30)
     assert answers == [b"PING"] * 20            # none refused, none lost
+    assert not _running(kubectl), "forward.py left a kubectl of its own running"
     said = log.read_text()
     assert said.count("ended before its connection was answered (exit 1: error: lost "
                       "connection to pod); sent again") >= 6, said
