@@ -1,11 +1,10 @@
-"""The quantize step on a model trained in the test: the file, the card, predict, and a gate
-that bad calibration misses by far.
+"""The quantize step on a model trained in the test: the real model within its measured INT8
+bound, the file, the card, predict, and a gate that bad calibration misses by far.
 
-These tests are not about where the gate falls: a small model's INT8 drop varies with the CPU
-(its instruction set changes the trained weights) by more than the gate's margin, so they
-quantize with a gate no model can miss (``LOOSE_GATE``) and check what the step writes. The
-gate itself is tested deterministically in ``tests/test_quantize_gate.py``; the drop's spread
-and margin on real runs are measured by ``python -m benchmarks.margins``."""
+The model is quantized with ``REAL_GATE``, not the default gate: the default's Dice bounds sit
+inside this small model's run-to-run spread. The gate's logic is tested exactly in
+``tests/test_quantize_gate.py``; the spread on real runs is measured by
+``python -m benchmarks.margins``."""
 from __future__ import annotations
 
 import json
@@ -30,7 +29,17 @@ TRAIN = ("--device", "cpu", "--base-filters", "8", "--levels", "4", "--batch-siz
          "--patience", "0", "--val-batch-size", "32", "--num-workers", "0")
 
 
-LOOSE_GATE = ("--max-dice-drop", "100", "--max-class-dice-drop", "100", "--min-agreement", "0")
+# The bound this model holds: its worst measured run plus three times the spread that
+# python -m benchmarks.margins measured for it over training seeds 1-3, both instruction-set
+# paths, onnxruntime (an AMD EPYC and an Intel Xeon) and OpenVINO (the Xeon): mean drop
+# -1.02..1.06 points, worst class -0.06..3.30, agreement 0.9990..0.9996 (docs/testing.md,
+# "Thresholds on learned quality"). The default 0.5 / 1 point cannot hold with that margin:
+# the two validation volumes' smallest classes have 86-165 voxels, so one voxel moves a
+# class's Dice by 0.3-0.6 points, and INT8 changes 20-60 of the 68 000 voxels in their
+# foreground boxes whatever the calibration method, slice count or float layers tried. It
+# fails a calibration that costs about 10 points or more (percentile 99 instead of 99.999:
+# 11-20 points; all-zero slices: 52), not one that costs 4-5 (percentile 99.9).
+REAL_GATE = {"max_dice_drop": 7.3, "max_class_dice_drop": 13.4, "min_agreement": 0.997}
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +52,33 @@ def quantize(root: Path, dataset: Path, out: Path, *extra: str):
                     "--quantized", str(out), *extra)
 
 
+def gate_flags(bounds: dict[str, float]) -> list[str]:
+    return [arg for name, value in bounds.items()
+            for arg in (f"--{name.replace('_', '-')}", str(value))]
+
+
 @pytest.fixture(scope="module")
 def quantized(exported):
     out = exported / "quantized"
-    _ok(quantize(exported, exported / "dataset", out, *LOOSE_GATE))
+    _ok(quantize(exported, exported / "dataset", out, *gate_flags(REAL_GATE)))
     return out
+
+
+def assert_within(figures: dict, bounds: dict[str, float]) -> None:
+    """One model's gate figures (mean drop, worst class drop, agreement) within ``bounds``."""
+    measured = (figures["mean_dice_drop_points"],
+                max(figures["class_dice_drop_points"].values()),
+                figures["agreement_in_foreground"])
+    assert measured[0] <= bounds["max_dice_drop"], measured
+    assert measured[1] <= bounds["max_class_dice_drop"], measured
+    assert measured[2] >= bounds["min_agreement"], measured
+
+
+def test_the_real_int8_model_holds_its_measured_bound(quantized):
+    """The step passed its gate with REAL_GATE (the fixture) on the figures it reports."""
+    report = json.loads((quantized / REPORT_FILE).read_text())
+    assert_within(report["figures"]["int8"], report["gate"])
+    assert report["gate"] == REAL_GATE
 
 
 def test_calibrated_model_records_its_figures_gate_and_calibration(exported, quantized):
@@ -59,8 +90,7 @@ def test_calibrated_model_records_its_figures_gate_and_calibration(exported, qua
     assert 0 <= int8["mean_dice"] <= 1 and 0 <= int8["agreement_in_foreground"] <= 1
     assert int8["mean_dice_drop_points"] == pytest.approx(
         100 * (figures["fp32"]["mean_dice"] - int8["mean_dice"]))
-    assert report["gate"] == {"max_dice_drop": 100.0, "max_class_dice_drop": 100.0,
-                              "min_agreement": 0.0}
+    assert report["gate"] == REAL_GATE
     meta = read_metadata(exported / "dataset")
     train, val = fold_names(meta, 0)
     assert set(report["calibration"]["training_cases"]) <= set(train)
@@ -82,10 +112,8 @@ def test_openvino_ir_is_gated_like_the_onnx_model(quantized):
     report = json.loads((out / REPORT_FILE).read_text())
     if "cannot compile it here" in report["files"]["openvino"]:   # e.g. ONEDNN_MAX_CPU_ISA=AVX2
         pytest.skip(f"the OpenVINO IR was left out on this CPU: {report['files']['openvino']}")
-    assert report["files"]["openvino"] == OPENVINO_FILE
-    figures = report["figures"]["openvino_int8"]
-    assert set(figures) >= {"mean_dice_drop_points", "class_dice_drop_points",
-                            "agreement_in_foreground"}
+    assert report["files"]["openvino"] == OPENVINO_FILE   # published: within the gate
+    assert_within(report["figures"]["openvino_int8"], REAL_GATE)
     compiled = ov.Core().compile_model(str(out / OPENVINO_FILE), "CPU")
     x = np.random.default_rng(1).standard_normal((2, 4, 96, 80)).astype(np.float32)
     assert compiled({"image": x})[0].shape == (2, 4, 96, 80)
