@@ -7,6 +7,7 @@ import os
 import zlib
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 from steps import nifti
 from workflows.s3server import SeaweedError, SeaweedServer, find_weed
@@ -29,18 +30,45 @@ _AWS_OVERRIDES = ("AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE",
                   "AWS_DEFAULT_PROFILE")
 
 
-def pytest_collection_modifyitems(items):
-    """Mark every test that uses the S3 server with ``s3`` (select with ``-m s3``); run the
-    tests on the real cluster last, one after another, so that the cluster (a session
-    fixture) is up only while they run, not beside the host tests."""
+# The suite runs in two workers (pytest-xdist; pyproject.toml's addopts). The real cluster's
+# modules are one unit of work that one worker runs first, in order: the cluster is a session
+# fixture, started once per process. Each host module is a unit of its own (its module
+# fixtures are built once), shared by the two workers. The cluster's part mostly waits on the
+# engine (pods starting, Argo's own timers), and the host's tests fill those waits
+# (docs/testing.md, "Where CI's time goes").
+CLUSTER_MODULES = ("test_cluster.py", "test_multinode.py", "test_ui.py", "test_versions.py")
+CLUSTER_UNIT = "the real cluster"
+
+
+class ClusterApart(LoadScopeScheduling):
+    """xdist's scheduling by module, with the cluster's modules as one unit."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return CLUSTER_UNIT if in_cluster_unit(nodeid) else nodeid.split("::")[0]
+
+
+@pytest.hookimpl(tryfirst=True)       # before xdist's own choice
+def pytest_xdist_make_scheduler(config, log):
+    return ClusterApart(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test that uses the S3 server with ``s3`` (select with ``-m s3``). Put the
+    cluster's modules first in a worker, so that its worker starts the cluster at once, and
+    last in one process, so that the cluster is up only while they run."""
     for item in items:
         if "s3" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.s3)
-    items.sort(key=uses_cluster)      # stable: each part keeps its order
+        if "cluster" in getattr(item, "fixturenames", ()) and not in_cluster_unit(item.nodeid):
+            raise pytest.UsageError(f"{item.nodeid} uses the real cluster outside "
+                                    f"CLUSTER_MODULES (tests/conftest.py): a second worker "
+                                    f"would start a second cluster")
+    in_worker = hasattr(config, "workerinput")
+    items.sort(key=lambda item: in_cluster_unit(item.nodeid) != in_worker)   # stable sort
 
 
-def uses_cluster(item) -> bool:
-    return "cluster" in getattr(item, "fixturenames", ())
+def in_cluster_unit(nodeid: str) -> bool:
+    return nodeid.split("::")[0].rsplit("/", 1)[-1] in CLUSTER_MODULES
 
 
 @pytest.fixture(scope="session")
