@@ -95,7 +95,7 @@ def one_run(test: str, seed: int, isa: str, root: Path, source: str | None = Non
     default_source, patch, train_flags = CONFIGS[test]
     source = source or default_source
     train_flags = train_flags + tuple(train_args)
-    # the suite's thread pools: a fixed count (tests/conftest.py), so the load moves nothing
+    # one thread, not adapted to the load, so that the load moves nothing
     env = {**os.environ, "OMP_NUM_THREADS": "1", "UNET_ADAPT_THREADS": "0", **ISA[isa],
            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     _step("download", "--source", source, "--raw", str(root / "raw"), "--no-progress", env=env)
