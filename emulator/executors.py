@@ -8,6 +8,7 @@ executors (:mod:`emulator.pods`) run ``podman start --attach`` through the same
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -41,9 +42,17 @@ class Launch:
 
 @dataclass
 class Outcome:
+    """How a process ended. ``cpu_seconds``: its user + system time and that of the
+    descendants it waited for (wait4(2)). ``max_rss_bytes``: its peak memory, and
+    ``max_disk_bytes`` the peak of what its working folder held (the pod's volume), sampled
+    (see :class:`_Peaks`). All None when it was stopped, or when it was only a client of the
+    work (a container engine's)."""
     returncode: int
     seconds: float
     timed_out: bool = False
+    cpu_seconds: float | None = None
+    max_rss_bytes: int | None = None
+    max_disk_bytes: int | None = None
 
 
 def subprocess_argv(command: list[str]) -> list[str]:
@@ -90,9 +99,9 @@ def run(launch: Launch, echo: TextIO | None = None) -> Outcome:
         pump = threading.Thread(target=_pump, args=(process.stdout, log_file, echo),
                                 daemon=True)
         pump.start()
-        timed_out = False
+        timed_out, usage, peaks = False, None, _Peaks(process.pid, launch.cwd)
         try:
-            process.wait(launch.timeout)
+            usage = _wait(process, launch.timeout, peaks.sample)
         except subprocess.TimeoutExpired:
             timed_out = True
             _stop(process, launch.stop)
@@ -101,8 +110,116 @@ def run(launch: Launch, echo: TextIO | None = None) -> Outcome:
             raise
         finally:
             pump.join(10)
-    return Outcome(container_exit_code(process.returncode), time.monotonic() - start,
-                   timed_out)
+    outcome = Outcome(container_exit_code(process.returncode), time.monotonic() - start,
+                      timed_out)
+    if usage is not None:
+        outcome.cpu_seconds = usage.ru_utime + usage.ru_stime
+        peaks.sample_disk()                  # what it left there counts too
+        outcome.max_rss_bytes, outcome.max_disk_bytes = peaks.memory, peaks.disk
+    return outcome
+
+
+class _Peaks:
+    """The peaks of a process tree, sampled at each poll.
+
+    ``memory``: the largest of the process's own high-water mark (``VmHWM``) and the
+    resident sets of it and its descendants summed (``VmRSS``), read from /proc. Not
+    getrusage's ``ru_maxrss``: Linux starts a child's from its parent's, since exec keeps the
+    high-water mark of the memory it replaces (fs/exec.c, exec_mmap:
+    setmax_mm_hiwater_rss), so every step would weigh at least the runner.
+
+    ``disk``: the blocks allocated under ``root``, its working folder, at most every
+    DISK_SAMPLE_S (a walk of the tree; links not followed)."""
+
+    DISK_SAMPLE_S = 1.0
+
+    def __init__(self, pid: int, root: Path):
+        self.pid, self.root = pid, root
+        self.memory: int | None = None
+        self.disk: int | None = None
+        self._disk_at = -math.inf
+
+    def sample(self) -> None:
+        high = _status_kib(self.pid, "VmHWM")
+        if high is None:                 # gone, or a zombie: its memory is released
+            return
+        tree = sum(_status_kib(pid, "VmRSS") or 0 for pid in [self.pid, *_descendants(self.pid)])
+        self.memory = max(self.memory or 0, high * 1024, tree * 1024)
+        if time.monotonic() - self._disk_at >= self.DISK_SAMPLE_S:
+            self.sample_disk()
+
+    def sample_disk(self) -> None:
+        self._disk_at = time.monotonic()
+        self.disk = max(self.disk or 0, allocated_bytes(self.root))
+
+
+def allocated_bytes(root: Path) -> int:
+    """The bytes of disk the files under ``root`` take (st_blocks), not following links;
+    files that vanish during the walk are skipped."""
+    total, todo = 0, [root]
+    while todo:
+        try:
+            entries = list(os.scandir(todo.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    todo.append(Path(entry.path))
+                else:
+                    total += entry.stat(follow_symlinks=False).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def _status_kib(pid: int, field: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (/proc/<pid>/task/<tid>/children, Linux 3.5+)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as children:
+                    kids = [int(k) for k in children.read().split()]
+            except (OSError, ValueError):
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def _wait(process: subprocess.Popen, timeout: float | None, poll=lambda: None):
+    """``process.wait(timeout)``, reaping with wait4(2) to keep the process's resource usage
+    (returned), which Popen discards. Polls as Popen.wait does, at most every 50 ms, and
+    calls ``poll`` each time."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = 0.0005
+    while True:
+        poll()
+        pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+        if pid:
+            process.returncode = os.waitstatus_to_exitcode(status)
+            return usage
+        if deadline is not None and time.monotonic() >= deadline:
+            raise subprocess.TimeoutExpired(process.args, timeout)
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
 
 
 def container_exit_code(returncode: int) -> int:

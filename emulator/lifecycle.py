@@ -44,6 +44,24 @@ from steps.storage import KEY_VARS
 _OUTPUT_PATH_REF = re.compile(r"\{\{\s*outputs\.artifacts\.([\w\-]+)\.path\s*\}\}")
 
 
+_PEAKS = ("max_rss_bytes", "max_disk_bytes")
+
+
+def _add_usage(node: NodeResult, outcome: executors.Outcome) -> None:
+    """Fold an attempt's CPU time (summed), peak memory and peak disk (the largest) into
+    ``node``; each unknown for the node once any attempt's is unknown."""
+    first = node.attempts <= 1
+    node.cpu_seconds = _fold(first, node.cpu_seconds, outcome.cpu_seconds, lambda a, b: a + b)
+    for name in _PEAKS:
+        setattr(node, name, _fold(first, getattr(node, name), getattr(outcome, name), max))
+
+
+def _fold(first: bool, total, value, combine):
+    if first:
+        return value
+    return None if total is None or value is None else combine(total, value)
+
+
 @dataclass(frozen=True)
 class ContainerPaths:
     """Container paths of a template's input and output artifacts and output parameters."""
@@ -161,6 +179,7 @@ class Lifecycle:
             node.phase, node.message = "Error", self.scrub(str(exc))
             return None
         node.step_seconds += outcome.seconds
+        _add_usage(node, outcome)
         if outcome.timed_out:
             why = ("Step exceeded its deadline (retry maxDuration)"
                    if cutoff is not None and time.monotonic() >= cutoff else "timed out")

@@ -183,6 +183,8 @@ def run(engine: Engine, pod: Pod, host: Callable[[str], Path], log_path: Path,
                                   engine.env, log_path.parent, log_path, timeout,
                                   stop=[engine.binary, "kill", pod.name])
         outcome = executors.run(launch, echo)
+        # the engine client's, not the step's
+        outcome.cpu_seconds = outcome.max_rss_bytes = outcome.max_disk_bytes = None
         if outcome.returncode == 0 and not outcome.timed_out:
             _copy_outputs(engine, pod, host)
         return outcome

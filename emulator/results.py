@@ -31,8 +31,10 @@ class ArtifactRef:
 @dataclass
 class NodeResult:
     """One DAG task. ``step_seconds`` is the step process's own wall time (all attempts);
-    ``seconds`` adds artifact transfers and retry waits. ``exit_codes`` has one entry per
-    attempt, as Argo's attempt nodes report ``outputs.exitCode`` (None: the step never ran)."""
+    ``seconds`` adds artifact transfers and retry waits. ``cpu_seconds``, ``max_rss_bytes``
+    and ``max_disk_bytes`` are None where a container engine ran the step. ``exit_codes`` has
+    one entry per attempt, as Argo's attempt nodes report ``outputs.exitCode`` (None: the
+    step never ran)."""
     task: str
     template: str
     phase: str = "Pending"         # Argo NodePhase: Succeeded, Failed, Error, Skipped, Omitted
@@ -40,6 +42,9 @@ class NodeResult:
     attempts: int = 0
     seconds: float = 0.0
     step_seconds: float = 0.0
+    cpu_seconds: float | None = None       # the step process's CPU time, all attempts
+    max_rss_bytes: int | None = None       # its largest resident set over the attempts
+    max_disk_bytes: int | None = None      # the most its pod's folder held, any attempt
     memoized: bool = False
     exit_codes: list[int | None] = field(default_factory=list)
     message: str = ""

@@ -369,8 +369,12 @@ class LocalRun:
                                           cutoff if attempt else None)
             node.exit_codes.append(exit_code)
             if node.phase == "Succeeded":
+                usage = ("" if node.cpu_seconds is None else
+                         f", CPU {node.cpu_seconds:.1f} s, peak RSS "
+                         f"{node.max_rss_bytes / 2**20:.0f} MiB, peak disk "
+                         f"{node.max_disk_bytes / 2**20:.0f} MiB")
                 self.log(f"{task.name}: Succeeded in {time.monotonic() - first:.1f} s "
-                         f"(the step itself {node.step_seconds:.1f} s)")
+                         f"(the step itself {node.step_seconds:.1f} s{usage})")
                 self._log_outputs(node)
                 return
             self.log(f"{task.name}: {node.phase}: {node.message}")

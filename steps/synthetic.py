@@ -22,26 +22,39 @@ gzip members with mtime 0), and case ``i`` is the same whatever the number of ca
 """
 from __future__ import annotations
 
+import argparse
+import functools
+import gzip
+import hashlib
 import io
 import json
-import shutil
+import multiprocessing
+import os
+import re
+import sys
 import tarfile
-import tempfile
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import BinaryIO, Iterator, Sequence
 
 import nibabel as nib
 import numpy as np
 from tqdm import tqdm
 
-from steps import uris
+from steps import limits, uris
+from steps.errors import OneLineArgumentParser, run_main
 
 TASK = "Task01_BrainTumour"
 MODALITIES = {"0": "FLAIR", "1": "T1w", "2": "t1gd", "3": "T2w"}
 LABELS = {"0": "background", "1": "edema", "2": "non-enhancing tumor", "3": "enhancing tumour"}
 MIN_SHAPE = uris.MIN_SHAPE
 FULL_SHAPE = (240, 240, 155)
+TRAINING_CASES, TEST_CASES = 484, 266   # Task01's numTraining and numTest
+SUBDIRS = ("imagesTr", "labelsTr", "imagesTs")
+GZIP_LEVEL = 1                          # nibabel's for a .nii.gz (Opener.default_compresslevel)
+APPLEDOUBLE = b"\x00\x05\x16\x07AppleDouble junk"   # a ._BRATS_* member's bytes
 
 # Tissue index → relative intensity per modality (FLAIR, T1w, t1gd, T2w).
 _BACKGROUND, _WM, _GM, _CSF, _EDEMA, _NECROSIS, _ENHANCING = range(7)
@@ -264,65 +277,146 @@ def dataset_json(train_names: Sequence[str], test_names: Sequence[str]) -> dict:
     }
 
 
+def case_files(shape: Sequence[int], seed: int, number: int,
+               training: bool) -> list[tuple[str, bytes]]:
+    """Task-relative paths and ``.nii.gz`` bytes of case ``number``: image, then label.
+
+    A training case gives ``imagesTr/BRATS_nnn.nii.gz`` and ``labelsTr/BRATS_nnn.nii.gz``; a
+    test case only ``imagesTs/BRATS_nnn.nii.gz``. A full-size case is about 12.5 MB.
+    """
+    case = generate_case(shape, seed, number)
+    name = case_name(number)
+    if not training:
+        return [(f"imagesTs/{name}.nii.gz", _nii_gz(case.image, case.affine))]
+    return [(f"imagesTr/{name}.nii.gz", _nii_gz(case.image, case.affine)),
+            (f"labelsTr/{name}.nii.gz", _nii_gz(case.label, case.affine))]
+
+
+def _nii_gz(data: np.ndarray, affine: np.ndarray) -> bytes:
+    """The bytes ``nib.save`` writes for a ``.nii.gz``: no file name, mtime 0, level 1, and
+    the header's OS byte "unknown" (255), as gzip.GzipFile writes it (RFC 1952 2.3.1)."""
+    member = bytearray(gzip.compress(_nifti(data, affine).to_bytes(),
+                                     compresslevel=GZIP_LEVEL, mtime=0))
+    member[9] = 255
+    return bytes(member)
+
+
+def _one_case(shape: tuple[int, int, int], seed: int, cases: int,
+              number: int) -> list[tuple[str, bytes]]:
+    return case_files(shape, seed, number, training=number <= cases)
+
+
+def _all_cases(cases: int, test_cases: int, shape: tuple[int, int, int], seed: int,
+               workers: int | None, progress: bool) -> Iterator[tuple[str, bytes]]:
+    """Every case's files, in case order, made by ``workers`` processes (default: the CPUs
+    this process is given). At most two cases per worker wait to be written."""
+    numbers = range(1, cases + test_cases + 1)
+    workers = min(workers or limits.cpu_count(), len(numbers))
+    make = functools.partial(_one_case, shape, seed, cases)
+    with tqdm(total=len(numbers), desc="synthetic cases", unit="case",
+              disable=not progress) as bar:
+        if workers <= 1:
+            for number in numbers:
+                yield from make(number)
+                bar.update(1)
+            return
+        # spawn, not fork: a caller may hold threads (torch's, a server's).
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        pending: deque[Future] = deque()
+        try:
+            for number in numbers:
+                pending.append(pool.submit(make, number))
+                if len(pending) >= 2 * workers:
+                    yield from pending.popleft().result()
+                    bar.update(1)
+            while pending:
+                yield from pending.popleft().result()
+                bar.update(1)
+        finally:  # stopped early (an error, SIGTERM): the cases not yet started are dropped
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _check_counts(cases: int, test_cases: int) -> None:
+    if cases < 1 or test_cases < 0:
+        raise ValueError(f"need cases >= 1 and test_cases >= 0, got {cases} and {test_cases}")
+
+
 def write_msd_task(root: Path | str, cases: int, shape: Sequence[int] = FULL_SHAPE,
-                   seed: int = 0, test_cases: int = 0, progress: bool = False) -> Path:
+                   seed: int = 0, test_cases: int = 0, progress: bool = False,
+                   workers: int | None = 1) -> Path:
     """Write ``root/Task01_BrainTumour/{dataset.json, imagesTr, labelsTr, imagesTs}``.
 
     Training cases are BRATS_001…BRATS_<cases>; test cases (images only) follow on. Returns
     the Task01_BrainTumour directory.
     """
-    if cases < 1 or test_cases < 0:
-        raise ValueError(f"need cases >= 1 and test_cases >= 0, got {cases} and {test_cases}")
+    _check_counts(cases, test_cases)
     shape = _check_shape(shape)
     task = Path(root) / TASK
-    for sub in ("imagesTr", "labelsTr", "imagesTs"):
+    for sub in SUBDIRS:
         (task / sub).mkdir(parents=True, exist_ok=True)
-    numbers = range(1, cases + test_cases + 1)
-    bar = _progress(len(numbers), progress)
-    for number in numbers:
-        case = generate_case(shape, seed, number)
-        name = case_name(number)
-        if number <= cases:
-            nib.save(_nifti(case.image, case.affine), task / "imagesTr" / f"{name}.nii.gz")
-            nib.save(_nifti(case.label, case.affine), task / "labelsTr" / f"{name}.nii.gz")
-        else:
-            nib.save(_nifti(case.image, case.affine), task / "imagesTs" / f"{name}.nii.gz")
-        bar.update(1)
-    bar.close()
-    meta = dataset_json([case_name(n) for n in numbers[:cases]],
-                        [case_name(n) for n in numbers[cases:]])
-    (task / "dataset.json").write_text(json.dumps(meta, indent=4) + "\n")
+    for rel, data in _all_cases(cases, test_cases, shape, seed, workers, progress):
+        (task / rel).write_bytes(data)
+    (task / "dataset.json").write_bytes(_dataset_json_bytes(cases, test_cases))
     return task
 
 
-def _progress(total: int, enabled: bool):
-    return tqdm(total=total, desc="synthetic cases", unit="case", disable=not enabled)
+def _dataset_json_bytes(cases: int, test_cases: int) -> bytes:
+    names = [case_name(n) for n in range(1, cases + test_cases + 1)]
+    return (json.dumps(dataset_json(names[:cases], names[cases:]), indent=4) + "\n").encode()
+
+
+class _Md5Writer(io.RawIOBase):
+    """A write-only file that hashes what passes through it on its way to ``sink``."""
+
+    def __init__(self, sink: BinaryIO):
+        self.sink, self.md5, self.size = sink, hashlib.md5(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:   # tarfile asks where it starts
+        return self.size
+
+    def write(self, data) -> int:
+        self.md5.update(data)
+        self.size += len(data)
+        return self.sink.write(data)
 
 
 def write_msd_tar(path: Path | str, cases: int, shape: Sequence[int] = (48, 48, 24),
                   seed: int = 0, test_cases: int = 0, macos_junk: bool = True,
-                  workdir: Path | str | None = None) -> Path:
-    """Write a tar of a generated task, laid out like the real ``Task01_BrainTumour.tar``.
+                  workers: int | None = 1, progress: bool = False) -> str:
+    """Write a tar of a generated task, laid out like the real ``Task01_BrainTumour.tar``, and
+    return its md5 (hex).
 
     With ``macos_junk`` it also holds the AppleDouble ``._BRATS_*`` files that the real tar
-    carries. Members are sorted with fixed owner and mtime, so the bytes depend only on the
-    arguments. ``workdir`` (default: next to ``path``) holds the generated files meanwhile.
+    carries. The cases stream into the tar as they are made: no case is on disk twice, and
+    memory holds at most two cases per worker. Members have a fixed owner and mtime, so the
+    bytes depend only on the arguments, not on ``workers``. Written under a temporary name
+    and renamed into place: a failure leaves nothing at ``path``.
     """
+    _check_counts(cases, test_cases)
+    shape = _check_shape(shape)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(dir=workdir or path.parent, prefix=".synthetic-"))
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
     try:
-        task = write_msd_task(scratch, cases, shape, seed, test_cases)
-        with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
-            for item in sorted(task.rglob("*")):
-                arcname = item.relative_to(scratch).as_posix()
-                _add_member(tar, arcname, None if item.is_dir() else item.read_bytes())
-                if macos_junk and item.is_file() and item.name.startswith("BRATS_"):
-                    junk = item.with_name("._" + item.name).relative_to(scratch).as_posix()
-                    _add_member(tar, junk, b"\x00\x05\x16\x07AppleDouble junk")
+        with open(part, "wb") as sink:
+            hashed = _Md5Writer(sink)
+            with tarfile.open(fileobj=hashed, mode="w", format=tarfile.PAX_FORMAT) as tar:
+                _add_member(tar, TASK, None)
+                _add_member(tar, f"{TASK}/dataset.json", _dataset_json_bytes(cases, test_cases))
+                for sub in SUBDIRS:
+                    _add_member(tar, f"{TASK}/{sub}", None)
+                for rel, data in _all_cases(cases, test_cases, shape, seed, workers, progress):
+                    _add_member(tar, f"{TASK}/{rel}", data)
+                    if macos_junk:
+                        folder, name = rel.split("/")
+                        _add_member(tar, f"{TASK}/{folder}/._{name}", APPLEDOUBLE)
+        os.replace(part, path)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return path
+        part.unlink(missing_ok=True)
+    return hashed.md5.hexdigest()
 
 
 def _add_member(tar: tarfile.TarFile, name: str, data: bytes | None) -> None:
@@ -334,3 +428,100 @@ def _add_member(tar: tarfile.TarFile, name: str, data: bytes | None) -> None:
     else:
         info.size, info.mode = len(data), 0o644
         tar.addfile(info, io.BytesIO(data))
+
+
+# ----------------------------------------------------------------------------- the cache
+
+CACHE_ENV = "UNET_SYNTHETIC_CACHE"       # default: $XDG_CACHE_HOME/unet-synthetic
+_MD5_LINE = re.compile(r"([0-9a-f]{32})  (\d{1,15})  ([0-9a-f]{64})\n")
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(os.environ.get(CACHE_ENV) or Path(base) / "unet-synthetic")
+
+
+def generator_digest() -> str:
+    """sha256 of this module's source: a cached tar made by other code is made again."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def cached_tar(cases: int = TRAINING_CASES, test_cases: int = TEST_CASES,
+               shape: Sequence[int] = FULL_SHAPE, seed: int = 0,
+               workers: int | None = None, progress: bool = False) -> tuple[Path, str]:
+    """The tar of :func:`write_msd_tar` (with macOS junk) and its md5, made once per
+    arguments and kept under :func:`cache_root`.
+
+    Each set of arguments has one directory, ``<cases>+<test>-<HxWxD>-seed<S>``, holding
+    ``Task01_BrainTumour.tar`` and ``Task01_BrainTumour.tar.md5`` (md5, size in bytes and
+    the generator's digest). The tar is made again, in place, when the record is missing,
+    unreadable, or names another size or generator, so the cache never holds two versions.
+    """
+    shape = _check_shape(shape)
+    folder = cache_root() / f"{cases}+{test_cases}-{'x'.join(map(str, shape))}-seed{seed}"
+    tar, record = folder / f"{TASK}.tar", folder / f"{TASK}.tar.md5"
+    digest = generator_digest()
+    md5 = _cached_md5(tar, record, digest)
+    if md5 is None:
+        record.unlink(missing_ok=True)
+        md5 = write_msd_tar(tar, cases, shape, seed, test_cases, workers=workers,
+                            progress=progress)
+        record.write_text(f"{md5}  {tar.stat().st_size}  {digest}\n")
+    return tar, md5
+
+
+def _cached_md5(tar: Path, record: Path, digest: str) -> str | None:
+    """The recorded md5 when the record is well formed and matches ``tar`` and ``digest``."""
+    try:
+        text = record.read_text()[:200]
+        size = tar.stat().st_size
+    except (OSError, UnicodeDecodeError):
+        return None
+    match = _MD5_LINE.fullmatch(text)
+    if not match or int(match[2]) != size or match[3] != digest:
+        return None
+    return match[1]
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+def _parser() -> argparse.ArgumentParser:
+    parser = OneLineArgumentParser(
+        prog="python -m steps.synthetic",
+        description="Make the synthetic Task01_BrainTumour.tar (the real one's layout and "
+                    "split, by default at full size) and print its path and md5.")
+    parser.add_argument("--cases", type=int, default=TRAINING_CASES,
+                        help=f"training cases (default {TRAINING_CASES}, as Task01)")
+    parser.add_argument("--test", type=int, default=TEST_CASES,
+                        help=f"test cases, images only (default {TEST_CASES}, as Task01)")
+    parser.add_argument("--shape", default="x".join(map(str, FULL_SHAPE)), metavar="HxWxD",
+                        help="voxels per case (default: Task01's 240x240x155)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=None,
+                        help="processes making cases (default: the CPUs this process has)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write the tar here instead of to the cache "
+                             f"(${CACHE_ENV}, default ~/.cache/unet-synthetic)")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    query = f"cases={args.cases}&test={args.test}&shape={args.shape}&seed={args.seed}"
+    params = uris.synthetic_params(query, query, "arguments")
+    limits.check("max_cases", params["cases"] + params["test"], "--cases plus --test")
+    shape, progress = params["shape"], not args.no_progress
+    if args.out is None:
+        tar, md5 = cached_tar(params["cases"], params["test"], shape, params["seed"],
+                              args.workers, progress)
+    else:
+        tar = args.out
+        md5 = write_msd_tar(tar, params["cases"], shape, params["seed"], params["test"],
+                            workers=args.workers, progress=progress)
+    print(f"{md5}  {tar}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))

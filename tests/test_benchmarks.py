@@ -72,6 +72,36 @@ def test_smoke_runs_orchestration(tmp_path):
                                                      "convert"}
 
 
+def test_smoke_runs_the_scale_sizes(tmp_path, monkeypatch):
+    """The whole DAG from the served tar at two sizes: every step measured, the download
+    fetched the tar once (its bytes served), the S3 bytes a step read are those its producer
+    wrote, and the slopes and ratios come from the two points."""
+    monkeypatch.setenv("UNET_SYNTHETIC_CACHE", str(tmp_path / "tars"))
+    report = _smoke(["scale"], tmp_path)
+    rows = report["benchmarks"]["scale"]["rows"]
+    # the tar's generation, 5 steps × 5 (download reads nothing from S3), the time around
+    assert len(rows) == 1 + 5 * 5 - 1 + 1
+    for row in rows:                       # a slope may be below 0 where start-up dominates
+        assert math.isfinite(row["ours"]) and row["baseline"] > 0, row
+    points = report["benchmarks"]["scale"]["details"]["points"]
+    assert [(p["cases"], p["training"], p["test"]) for p in points] == [(8, 5, 3), (12, 8, 4)]
+    for point in points:
+        steps = point["steps"]
+        assert list(steps) == ["download", "preprocess", "train", "convert", "quantize"]
+        assert point["tar_bytes_served"] == point["tar_bytes"]
+        for step in steps.values():
+            assert step["cpu_s"] > 0 and step["peak_rss_bytes"] > 50e6, step
+            assert step["peak_disk_bytes"] >= max(step["s3_read_bytes"],
+                                                  step["s3_written_bytes"]) * 0.9, step
+            assert 0 < step["wall_s"] <= step["node_s"] < point["wall_s"]
+        assert steps["preprocess"]["s3_read_bytes"] == steps["download"]["s3_written_bytes"]
+        assert steps["convert"]["s3_read_bytes"] > steps["train"]["s3_written_bytes"]
+    big, small = points[1]["steps"]["download"], points[0]["steps"]["download"]
+    assert big["s3_written_bytes"] > small["s3_written_bytes"]
+    assert sorted(p.name for p in (tmp_path / "tars").iterdir()) == [
+        "5+3-48x48x24-seed0", "8+4-48x48x24-seed0"]               # one tar per size, kept
+
+
 def test_smoke_runs_the_cpu_share_sweep(tmp_path):
     """Train and preprocess confined to fewer CPUs than the machine has (--smoke: affinity),
     each against every point of its UNET_CPUS sweep."""

@@ -475,6 +475,48 @@ def test_template_timeout_stops_the_step(run):
     assert node.phase == "Failed" and "timed out" in node.message
     assert node.step_seconds < 15
     assert node.exit_codes == [143]   # SIGTERM as a container reports it (Argo v4.0.5: 143)
+    assert node.cpu_seconds is None and node.max_rss_bytes is None   # stopped: not known
+    assert node.max_disk_bytes is None
+
+
+# One attempt: 0.5 s of CPU with 300 MiB resident; fails the first time (the marker file).
+_WORK = """
+import pathlib, sys, time
+held = bytearray(300 << 20)
+start = time.process_time()
+while time.process_time() - start < 0.5:
+    pass
+marker = pathlib.Path(sys.argv[1])
+if not marker.exists():
+    marker.touch()
+    sys.exit(1)
+"""
+
+
+def test_a_steps_cpu_time_and_peak_memory_are_its_own_over_its_attempts(run, tmp_path):
+    """The step process's CPU time summed over its attempts, and its peak memory, the
+    largest: not the runner's, though the runner holds 600 MiB more (getrusage's ru_maxrss
+    of a child starts at its parent's); a child process's memory counts with it."""
+    work = {"name": "work", "retryStrategy": {"limit": 1, "retryPolicy": "OnFailure"},
+            "container": {"image": "python:3.11-slim", "command": ["python", "-c"],
+                          "args": [_WORK, str(tmp_path / "marker")]}}
+    small = {"name": "small", "container": {"image": "python:3.11-slim",
+                                            "command": ["python", "-c"], "args": ["pass"]}}
+    child = {"name": "child", "container": {
+        "image": "python:3.11-slim", "command": ["python", "-c"],
+        "args": ["import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                 "'import time; b = bytearray(200 << 20); time.sleep(0.5)'], check=True)"]}}
+    runner_memory = bytearray(600 << 20)             # touched: resident in this process
+    result = run(workflow([{"name": "w", "template": "work"}, {"name": "s", "template": "small"},
+                           {"name": "c", "template": "child"}], [work, small, child]))
+    del runner_memory
+    node = result.node("w")
+    assert result.succeeded and node.attempts == 2, result.message
+    assert 1.0 <= node.cpu_seconds < 3.0
+    assert 300 << 20 < node.max_rss_bytes < 400 << 20
+    assert result.node("s").max_rss_bytes < 50 << 20
+    assert 200 << 20 < result.node("c").max_rss_bytes < 300 << 20
+    assert result.to_dict()["nodes"][0]["cpu_seconds"] == node.cpu_seconds
 
 
 def test_invalid_memoization_key_is_refused(run):
@@ -548,3 +590,26 @@ def test_the_pipeline_workflow_passes_the_runner_checks():
     cfg = config.load_config(ROOT / "config" / "pipeline.yaml", None, [], local=True)
     notes = validate_workflow(unet.build(cfg, "workflow").to_dict())
     assert any("/dev/shm" in n for n in notes)
+
+
+# Holds 64 MiB in its working folder for 2 s (the runner samples the folder every second),
+# then leaves 1 MiB there.
+_DISK = """
+import os, time
+with open("big", "wb") as f:
+    f.write(os.urandom(64 << 20))
+time.sleep(2)
+os.remove("big")
+with open("kept", "wb") as f:
+    f.write(os.urandom(1 << 20))
+"""
+
+
+def test_a_steps_peak_disk_is_the_most_its_folder_held(run):
+    """The pod's folder at its fullest, a file since deleted included: the blocks on disk,
+    sampled while the step runs."""
+    disk = {"name": "disk", "container": {"image": "python:3.11-slim",
+                                          "command": ["python", "-c"], "args": [_DISK]}}
+    result = run(workflow([{"name": "d", "template": "disk"}], [disk]))
+    assert result.succeeded, result.message
+    assert 64 << 20 <= result.node("d").max_disk_bytes < 70 << 20

@@ -1,7 +1,10 @@
 """The synthetic BraTS-like generator: layout, determinism and anatomy."""
 from __future__ import annotations
 
+import hashlib
 import json
+import subprocess
+import sys
 import tarfile
 
 import nibabel as nib
@@ -127,12 +130,97 @@ def test_rejects_tiny_grid():
 
 
 def test_tar_is_deterministic_and_carries_macos_junk(tmp_path):
-    a = synthetic.write_msd_tar(tmp_path / "a.tar", cases=2, shape=SHAPE, seed=1)
-    b = synthetic.write_msd_tar(tmp_path / "b.tar", cases=2, shape=SHAPE, seed=1)
-    assert a.read_bytes() == b.read_bytes()
-    with tarfile.open(a) as tar:
+    md5 = synthetic.write_msd_tar(tmp_path / "a.tar", cases=2, shape=SHAPE, seed=1,
+                                  test_cases=1)
+    again = synthetic.write_msd_tar(tmp_path / "b.tar", cases=2, shape=SHAPE, seed=1,
+                                    test_cases=1, workers=2)
+    data = (tmp_path / "a.tar").read_bytes()
+    assert data == (tmp_path / "b.tar").read_bytes()
+    assert md5 == again == hashlib.md5(data).hexdigest()
+    with tarfile.open(tmp_path / "a.tar") as tar:
         names = tar.getnames()
+        assert tar.getmember("Task01_BrainTumour/imagesTr").isdir()
     assert "Task01_BrainTumour/dataset.json" in names
     assert "Task01_BrainTumour/imagesTr/BRATS_002.nii.gz" in names
     assert "Task01_BrainTumour/imagesTr/._BRATS_002.nii.gz" in names
-    assert not list(tmp_path.glob(".synthetic-*"))
+    assert "Task01_BrainTumour/imagesTs/._BRATS_003.nii.gz" in names
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.tar", "b.tar"]
+
+
+def test_tar_holds_the_files_write_msd_task_and_nib_save_write(tmp_path):
+    """One generator: the tar's members are the task's files byte for byte, and each volume
+    is what nibabel itself writes for the case."""
+    synthetic.write_msd_tar(tmp_path / "t.tar", cases=2, shape=SHAPE, seed=5, test_cases=1,
+                            macos_junk=False)
+    with tarfile.open(tmp_path / "t.tar") as tar:
+        tar.extractall(tmp_path / "from-tar", filter="data")
+    task = synthetic.write_msd_task(tmp_path / "task", cases=2, shape=SHAPE, seed=5,
+                                    test_cases=1)
+    assert _files(tmp_path / "from-tar") == _files(tmp_path / "task")
+    case = synthetic.generate_case(SHAPE, seed=5, index=3)
+    nib.save(synthetic._nifti(case.image, case.affine), tmp_path / "saved.nii.gz")
+    assert ((task / "imagesTs" / "BRATS_003.nii.gz").read_bytes()
+            == (tmp_path / "saved.nii.gz").read_bytes())
+
+
+def test_failed_tar_leaves_nothing(tmp_path, monkeypatch):
+    made = synthetic.case_files
+
+    def fail_on_second(shape, seed, number, training):
+        if number == 2:
+            raise RuntimeError("case 2 failed")
+        return made(shape, seed, number, training)
+
+    monkeypatch.setattr(synthetic, "case_files", fail_on_second)
+    with pytest.raises(RuntimeError, match="case 2"):
+        synthetic.write_msd_tar(tmp_path / "t.tar", cases=3, shape=SHAPE)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_full_split_is_task01s():
+    meta = json.loads(synthetic._dataset_json_bytes(synthetic.TRAINING_CASES,
+                                                    synthetic.TEST_CASES))
+    assert (meta["numTraining"], meta["numTest"]) == (484, 266)
+    assert meta["training"][-1]["label"] == "./labelsTr/BRATS_484.nii.gz"
+    assert (meta["test"][0], meta["test"][-1]) == ("./imagesTs/BRATS_485.nii.gz",
+                                                   "./imagesTs/BRATS_750.nii.gz")
+
+
+def test_cached_tar_is_made_once_and_remade_when_stale(tmp_path, monkeypatch):
+    monkeypatch.setenv(synthetic.CACHE_ENV, str(tmp_path))
+    tar, md5 = synthetic.cached_tar(2, 1, SHAPE, seed=2, workers=1)
+    assert tar == tmp_path / "2+1-48x48x24-seed2" / "Task01_BrainTumour.tar"
+    assert md5 == hashlib.md5(tar.read_bytes()).hexdigest()
+    record = tar.with_name("Task01_BrainTumour.tar.md5")
+    assert record.read_text() == (f"{md5}  {tar.stat().st_size}  "
+                                  f"{synthetic.generator_digest()}\n")
+    made = []
+    real = synthetic.write_msd_tar
+    monkeypatch.setattr(synthetic, "write_msd_tar",
+                        lambda *a, **k: made.append(a) or real(*a, **k))
+    assert synthetic.cached_tar(2, 1, SHAPE, seed=2, workers=1) == (tar, md5)
+    assert made == []                                    # cached: not made again
+    for stale in (record.read_text().replace(synthetic.generator_digest(), "0" * 64),
+                  "garbage\n"):
+        record.write_text(stale)
+        assert synthetic.cached_tar(2, 1, SHAPE, seed=2, workers=1) == (tar, md5)
+    tar.write_bytes(tar.read_bytes()[:-512])             # cut short: size no longer matches
+    assert synthetic.cached_tar(2, 1, SHAPE, seed=2, workers=1) == (tar, md5)
+    assert len(made) == 3
+    assert sorted(p.name for p in tar.parent.iterdir()) == [tar.name, record.name]
+
+
+def test_cli_prints_md5_and_path_and_refuses_bad_shape(tmp_path):
+    out = tmp_path / "x.tar"
+    done = subprocess.run([sys.executable, "-m", "steps.synthetic", "--cases", "1", "--test",
+                           "1", "--shape", "48x48x24", "--out", str(out), "--no-progress"],
+                          capture_output=True, text=True, check=True)
+    assert done.stdout == f"{hashlib.md5(out.read_bytes()).hexdigest()}  {out}\n"
+    bad = subprocess.run([sys.executable, "-m", "steps.synthetic", "--shape", "4x4x4",
+                          "--out", str(tmp_path / "y.tar")], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1
+    assert "shape=4x4x4 is smaller than the minimum 24x24x12" in bad.stderr
+    assert not (tmp_path / "y.tar").exists()
+
+

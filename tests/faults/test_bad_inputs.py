@@ -170,8 +170,8 @@ def _check(case: Case, done: subprocess.CompletedProcess, secret: str) -> str | 
 
 
 def test_bad_inputs_give_one_line_and_exit_2(s3, tmp_path):
-    good_tar = synthetic.write_msd_tar(tmp_path / "Task01_BrainTumour.tar", cases=2,
-                                       shape=(32, 32, 16), seed=4, test_cases=1)
+    good_tar = tmp_path / "Task01_BrainTumour.tar"
+    synthetic.write_msd_tar(good_tar, cases=2, shape=(32, 32, 16), seed=4, test_cases=1)
     (tmp_path / "tar").mkdir()
     cases = _tar_cases(tmp_path / "tar", good_tar) + _volume_cases(tmp_path / "vol")
     cases += _config_cases()

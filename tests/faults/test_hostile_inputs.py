@@ -654,8 +654,8 @@ def test_failed_download_is_not_reused_from_the_cache(tmp_path, server):
     args = (f"{server.url}{path}", "--md5", "", "--cache-dir", str(cache))
     run_cases([_download_case("garbage download", tmp_path, *args,
                               needles=("Task01_BrainTumour.tar",))])
-    good = synthetic.write_msd_tar(tmp_path / "good" / "Task01_BrainTumour.tar", cases=2,
-                                   shape=SHAPE, seed=4, test_cases=1)
+    good = tmp_path / "good" / "Task01_BrainTumour.tar"
+    synthetic.write_msd_tar(good, cases=2, shape=SHAPE, seed=4, test_cases=1)
     server.files[path] = good.read_bytes()
     case = _download_case("same URI and cache, now a valid tar", tmp_path, *args, status=0)
     case.check = lambda done: require(tmp_path / "raw", "raw")

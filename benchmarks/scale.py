@@ -1,0 +1,188 @@
+"""14. Scale: the whole DAG of ``run --local`` as the data grows (issue 47).
+
+At each size (cases in all, split as Task01's 484 training : 266 test), the synthetic Task01
+tar (:func:`steps.synthetic.cached_tar`, made once per size and kept) is served over HTTP with
+Range support (:mod:`benchmarks.fileserver`), and download → preprocess → train → convert →
+quantize runs on the embedded S3 with train bounded by steps: the point is data, not learning,
+so quantize's gate is opened too. Per step it records
+
+- the step process's wall and CPU time, its peak RSS and the peak disk of its pod's folder
+  (inputs as Argo's init container would place them, and outputs; ``emulator.executors``);
+- the node's time around it (artifact transfers and manifest checks, as Argo's init and wait
+  containers would spend it);
+- bytes written to S3 (its output artifacts' objects) and read from it (its inputs');
+
+and per run the run's wall time, the bytes the run directory still holds afterwards, and the
+tar's size and md5. Then, from the smallest size to the largest, each step's log-log growth
+slope of wall time and S3 bytes (target at most 1.1: at most linear) and its peak-RSS ratio
+(target at most 1.25); at the largest size each step's peak disk against the larger of its
+input and output artifacts (target at most 2: no extra full copy); and the tar's generation with one worker process per CPU
+against one. Sizes: ``UNET_BENCH_SCALE`` (cases, comma-separated; default
+30,120,750); the tars' generation is left out of every time.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import statistics
+import time
+
+from benchmarks.common import Row, Settings
+from benchmarks.fileserver import FileServer
+from emulator.results import RunResult
+from emulator.runner import run_workflow
+from steps import limits, storage, synthetic
+from workflows.config import load_config
+from workflows.s3server import SeaweedServer
+from workflows.unet import build
+
+SIZES_ENV = "UNET_BENCH_SCALE"
+STEPS = ("download", "preprocess", "train", "convert", "quantize")
+TAR = f"{synthetic.TASK}.tar"
+# Train bounded by steps; the gate opened (a model of 50 steps is no INT8 test).
+OVERRIDES = ["pipeline.stages=[download,preprocess,train,convert,quantize]",
+             "train.max_epochs=1", "train.min_epochs=1", "train.patience=0",
+             "quantize.max_dice_drop=100", "quantize.max_class_dice_drop=100",
+             "quantize.min_agreement=0"]
+FULL = ["train.steps_per_epoch=50"]
+SMOKE = ["preprocess.patch_size=32x32", "preprocess.workers=1", "train.steps_per_epoch=1",
+         "train.batch_size=4", "train.val_batch_size=8", "convert.parity_slices=32",
+         "quantize.calibration_slices=8"]
+
+
+def sizes(settings: Settings) -> list[int]:
+    raw = os.environ.get(SIZES_ENV, "")
+    if raw.strip():
+        return sorted({int(n) for n in raw.split(",")})
+    return [8, 12] if settings.smoke else [30, 120, 750]
+
+
+def split(total: int) -> tuple[int, int]:
+    """(training, test) cases of ``total`` in Task01's proportion; at least the 5 training
+    cases that the 5-fold split needs."""
+    train = max(5, round(total * synthetic.TRAINING_CASES
+                         / (synthetic.TRAINING_CASES + synthetic.TEST_CASES)))
+    return train, max(total - train, 0)
+
+
+def _disk_bytes(root) -> int:
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.exists() else 0
+
+
+def _artifact_bytes(objects: dict[str, tuple[int, str]], ref) -> int:
+    if ref.kind == "file":
+        return objects.get(ref.key, (0, ""))[0]
+    prefix = ref.key.rstrip("/") + "/"
+    return sum(size for key, (size, _) in objects.items() if key.startswith(prefix))
+
+
+def _inputs(workflow: dict) -> dict[str, list[tuple[str, str]]]:
+    """Task → the (task, artifact) pairs it takes, from its ``from`` references."""
+    dag = next(t["dag"] for t in workflow["spec"]["templates"] if "dag" in t)
+    taken = {}
+    for task in dag["tasks"]:
+        refs = (a.get("from", "") for a in
+                (task.get("arguments") or {}).get("artifacts") or [])
+        taken[task["name"]] = [tuple(r.strip("{}").split(".")[1:5:3]) for r in refs if r]
+    return taken
+
+
+def run_size(settings: Settings, total: int) -> dict:
+    train, test = split(total)
+    tar, md5 = synthetic.cached_tar(train, test, settings.shape, progress=True)
+    work = settings.workdir / f"scale-{total}"
+    shutil.rmtree(work, ignore_errors=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    with FileServer({f"/{TAR}": tar}) as files:
+        overrides = [f"download.source={files.url('/' + TAR)}", f"download.md5={md5}",
+                     *OVERRIDES, *(SMOKE if settings.smoke else FULL)]
+        config = load_config(None, None, overrides, local=True)
+        workflow = build(config, "workflow").to_dict()
+        with SeaweedServer(work / "s3", buckets=[config.storage.bucket]) as s3:
+            start = time.monotonic()
+            result = run_workflow(workflow, run_dir=work / "run", env={**env, **s3.env()},
+                                  output_dir=work / "outputs", bucket=config.storage.bucket,
+                                  log=lambda _line: None, echo=None)
+            wall = time.monotonic() - start
+            if not result.succeeded:
+                raise RuntimeError(f"{total} cases: run --local failed: {result.message}")
+            objects = storage.list_objects(f"s3://{config.storage.bucket}/", client=s3.client())
+        served = files.bytes_sent
+    point = _point(result, workflow, objects)
+    point.update(cases=total, training=train, test=test, tar_bytes=tar.stat().st_size,
+                 tar_md5=md5, tar_bytes_served=served, wall_s=wall,
+                 s3_bytes=sum(size for size, _ in objects.values()),
+                 left_in_run_dir_bytes=_disk_bytes(work / "run"), overrides=overrides)
+    shutil.rmtree(work, ignore_errors=True)
+    return point
+
+
+def _point(result: RunResult, workflow: dict, objects: dict) -> dict:
+    written = {n.task: {name: _artifact_bytes(objects, ref) for name, ref in n.artifacts.items()}
+               for n in result.nodes}
+    steps = {}
+    for node in result.nodes:
+        read = sum(written[task][name] for task, name in _inputs(workflow)[node.task])
+        steps[node.task] = {"wall_s": node.step_seconds, "node_s": node.seconds,
+                            "around_s": node.seconds - node.step_seconds,
+                            "cpu_s": node.cpu_seconds, "peak_rss_bytes": node.max_rss_bytes,
+                            "peak_disk_bytes": node.max_disk_bytes,
+                            "s3_written_bytes": sum(written[node.task].values()),
+                            "s3_read_bytes": read}
+    return {"steps": steps}
+
+
+def slope(x0: float, y0: float, x1: float, y1: float) -> float:
+    """Growth exponent of y in x between two points (log-log): 1 is linear."""
+    if min(x0, y0, x1, y1) <= 0:
+        return float("nan")
+    return math.log(y1 / y0) / math.log(x1 / x0)
+
+
+def generation(settings: Settings, cases: int = 4, rounds: int = 2) -> tuple[Row, dict]:
+    """The tar's generation, one worker process per CPU (steps.synthetic's default) against
+    one, interleaved (the order reversed every other round); medians of cases per second."""
+    workers = {"ours": limits.cpu_count(), "baseline": 1}
+    rates: dict[str, list[float]] = {side: [] for side in workers}
+    for round_ in range(rounds):
+        for side in (("ours", "baseline") if round_ % 2 == 0 else ("baseline", "ours")):
+            start = time.perf_counter()
+            synthetic.write_msd_tar(settings.workdir / "generation.tar", cases, settings.shape,
+                                    workers=workers[side])
+            rates[side].append(cases / (time.perf_counter() - start))
+    (settings.workdir / "generation.tar").unlink()
+    row = Row("scale", f"synthetic tar: cases/s with {workers['ours']} worker processes",
+              "cases/s", statistics.median(rates["ours"]), statistics.median(rates["baseline"]),
+              "one process", ">= 1.1" if workers["ours"] > 1 else "")
+    return row, {"workers": workers, "cases": cases, "rates": rates}
+
+
+def run(settings: Settings) -> dict:
+    tar_row, tar_details = generation(settings)
+    points = [run_size(settings, total) for total in sizes(settings)]
+    first, last = points[0], points[-1]
+    rows = [tar_row]
+    for step in STEPS:
+        a, b = first["steps"][step], last["steps"][step]
+        span = f"{first['cases']} to {last['cases']} cases"
+        for metric, key in (("wall time", "wall_s"), ("S3 bytes written", "s3_written_bytes"),
+                            ("S3 bytes read", "s3_read_bytes")):
+            if a[key] and b[key]:
+                rows.append(Row("scale", f"{step} {metric}: log-log slope, {span}", "exponent",
+                                slope(first["cases"], a[key], last["cases"], b[key]), 1.0,
+                                "linear growth", "<= 1.1"))
+        rows.append(Row("scale", f"{step} peak RSS at {last['cases']} vs {first['cases']} cases",
+                        "MB", b["peak_rss_bytes"] / 1e6, a["peak_rss_bytes"] / 1e6,
+                        f"same step at {first['cases']} cases", "<= 1.25"))
+        held = max(b["s3_read_bytes"], b["s3_written_bytes"])
+        rows.append(Row("scale", f"{step} peak disk at {last['cases']} cases vs its largest "
+                        "artifact", "MB", b["peak_disk_bytes"] / 1e6, held / 1e6,
+                        "the larger of its input and output in S3", "<= 2"))
+    around = sum(s["around_s"] for s in last["steps"].values())
+    rows.append(Row("scale", f"time around the steps at {last['cases']} cases vs the run's wall",
+                    "s", around, last["wall_s"], "the run's wall time", "<= 0.2"))
+    return {"rows": rows, "details": {"points": points, "shape": list(settings.shape),
+                                      "generation": tar_details,
+                                      "note": "run --local (host processes, embedded "
+                                              "SeaweedFS); tar generation not timed"}}
