@@ -10,17 +10,18 @@ Sources:
 - ``s3://msd-for-monai/Task01_BrainTumour.tar`` and ``s3://msd-for-monai-eu/…``: the public
   AWS buckets, read anonymously from AWS itself whatever ``AWS_ENDPOINT_URL`` says;
 - ``s3://bucket/key``: any other object on the configured endpoint (``AWS_*`` variables);
-- ``https://…`` / ``http://…``: streamed, resumed from the ``.part`` file with a Range request
-  after an interruption, transient errors retried with exponential backoff;
+- ``https://…`` / ``http://…``: streamed, resumed with a Range request after an interruption,
+  transient errors retried with exponential backoff; without ``--cache-dir`` the tar is
+  extracted as it arrives, so the step's disk holds the data once, not twice;
 - ``file:///path/x.tar`` (or .tar.gz), or ``file:///path/dir`` holding an extracted task (the
   Task01_BrainTumour directory or its parent);
 - ``synthetic://?cases=N&shape=HxWxD&seed=S&test=M``: BraTS-like cases from
   :mod:`steps.synthetic`.
 
-Downloads land in a cache inside the output directory (gone with it on success or failure;
-an explicit ``--cache-dir`` is kept and trusted only after a good run), are held to the size
-limits of :mod:`steps.limits`, are checked against the md5 before anything is extracted, and
-are extracted member by member with every unsafe member refused (absolute paths, ``..``,
+Other downloads land in a cache inside the output directory (gone with it on success or
+failure; an explicit ``--cache-dir`` is kept and trusted only after a good run). Every archive
+is held to the size limits of :mod:`steps.limits` and checked against the md5 before anything
+is published (a cached one before anything is extracted), and is extracted member by member with every unsafe member refused (absolute paths, ``..``,
 links, devices, sparse files) and macOS ``._*`` files dropped. A directory source
 contributes only ``dataset.json`` and the regular files it lists.
 """
@@ -30,6 +31,7 @@ import argparse
 import gzip
 import hashlib
 import http.client
+import itertools
 import json
 import lzma
 import os
@@ -42,7 +44,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO, Sequence
+from typing import Any, BinaryIO, Iterator, Sequence
 from urllib.error import HTTPError, URLError
 from urllib.parse import urlsplit
 from urllib.request import HTTPRedirectHandler, Request, build_opener
@@ -228,92 +230,167 @@ def s3_download(uri: str, dest: Path, progress: bool = True) -> Path:
 
 
 class _Transient(Exception):
-    """A network fault worth retrying (whether it made progress, the .part file's size says)."""
+    """A network fault worth retrying (whether it made progress, the body's offset says)."""
+
+
+@dataclass
+class HttpBody:
+    """The body of ``url`` as one stream that outlives its connections.
+
+    :meth:`chunks` yields ``(offset, bytes)`` in order from ``offset``. After a dropped
+    connection, a stall or a transient HTTP status it asks again from where the body got to,
+    with Range and an If-Range of ``validator`` (the strong ETag or Last-Modified of the
+    response that sent byte 0), so a changed file comes whole: from offset 0 again. Every failed
+    request is followed by a wait that doubles from ``backoff_s`` (at most 60 s) and restarts
+    only when the body has passed its furthest point: a server that always drops the
+    connection at the same place, or ignores Range and starts over, is given up on after
+    ``retries`` more requests. Nothing goes on after ``budget_s`` (``http_budget_seconds``)
+    from the first request: no retry starts, and a body still streaming is cut. A body that
+    brings fewer than ``http_window_bytes`` in ``http_stall_seconds`` is a stalled attempt.
+    Permanent HTTP errors (404, 403…) fail at once with one line.
+    """
+    url: str
+    offset: int = 0
+    validator: str | None = None
+    retries: int = HTTP_RETRIES
+    backoff_s: float = HTTP_BACKOFF_S
+    timeout_s: float = HTTP_TIMEOUT_S
+    budget_s: float | None = None
+    bar: tqdm | None = None
+
+    def chunks(self) -> Iterator[tuple[int, bytes]]:
+        budget_s = limits.get("http_budget_seconds") if self.budget_s is None else self.budget_s
+        started = time.monotonic()
+        failures, attempts, furthest = 0, 0, self.offset
+        while True:
+            attempts += 1
+            try:
+                yield from self._attempt((started + budget_s, budget_s))
+                return
+            except _Transient as exc:
+                failures = 1 if self.offset > furthest else failures + 1
+                furthest = max(furthest, self.offset)
+                wait = min(self.backoff_s * 2 ** (failures - 1), 60.0)
+                elapsed = time.monotonic() - started
+                if failures > self.retries:
+                    raise StepError(f"download of {redact(self.url)} failed after {attempts} "
+                                    f"attempts ({failures} in a row without progress): "
+                                    f"{exc}") from None
+                if elapsed + wait > budget_s:
+                    raise StepError(f"download of {redact(self.url)} gave up after {attempts} "
+                                    f"attempts in {elapsed:.0f} s, its time budget of "
+                                    f"{budget_s:g} s ({exc})") from None
+                time.sleep(wait)
+
+    def _attempt(self, budget: tuple[float, float]) -> Iterator[tuple[int, bytes]]:
+        """One GET from ``offset``; raises _Transient when the body is incomplete."""
+        headers = {"User-Agent": f"unet-argo/{__version__}"}
+        if self.offset:
+            headers["Range"] = f"bytes={self.offset}-"
+            if self.validator:
+                headers["If-Range"] = self.validator
+        try:
+            response = _OPENER.open(Request(self.url, headers=headers), timeout=self.timeout_s)
+        except HTTPError as exc:
+            self._http_error(exc)
+            return
+        except (URLError, http.client.HTTPException, ConnectionError, TimeoutError) as exc:
+            raise _Transient(str(getattr(exc, "reason", exc))) from None
+        with response:
+            self.offset, total = _resume_point(response, self.offset, self.url)
+            if total is not None:
+                limits.check("max_download_bytes", total, f"download of {redact(self.url)}")
+            if self.offset == 0:
+                self.validator = _validator_of(response)
+            if self.bar is not None:
+                self.bar.total, self.bar.n = total, self.offset
+                self.bar.refresh()
+            for chunk in _body(response, self.offset, self.url, budget):
+                yield self.offset, chunk
+                self.offset += len(chunk)
+                if self.bar is not None:
+                    self.bar.update(len(chunk))
+        if total is not None and self.offset < total:
+            raise _Transient(f"connection closed after {self.offset} of {total} bytes")
+
+    def _http_error(self, exc: HTTPError) -> None:
+        """An HTTP error status: the body complete, a restart, a retry, or a StepError."""
+        if exc.code == 416 and self.offset:
+            if _range_total(exc.headers.get("Content-Range", "")) == self.offset:
+                return  # what we hold is already the whole body
+            self.offset = 0
+            raise _Transient("server refused to resume; restarting from zero")
+        if exc.code in TRANSIENT_HTTP:
+            raise _Transient(f"HTTP {exc.code} {exc.reason}")
+        raise StepError(f"download of {redact(self.url)} failed: HTTP {exc.code} {exc.reason}")
 
 
 def http_download(url: str, dest: Path, *, retries: int = HTTP_RETRIES,
                   backoff_s: float = HTTP_BACKOFF_S, timeout_s: float = HTTP_TIMEOUT_S,
                   budget_s: float | None = None, progress: bool = True) -> Path:
-    """Stream ``url`` to ``dest`` through ``dest.part``, resuming with Range requests.
-
-    Every failed request is followed by a wait that doubles from ``backoff_s`` (at most 60 s)
-    and restarts only when the file has grown past its furthest point: a server that always
-    drops the connection at the same place, or ignores Range and starts over, is given up on
-    after ``retries`` more requests. Nothing goes on ``budget_s`` (``http_budget_seconds``)
-    after the first request: no retry starts, and a body still streaming is cut. A body that
-    brings fewer than ``http_window_bytes`` in ``http_stall_seconds`` is a stalled attempt.
-    Permanent HTTP errors (404, 403…) fail at once with one line.
-    """
-    budget_s = limits.get("http_budget_seconds") if budget_s is None else budget_s
+    """Fetch ``url`` (:class:`HttpBody`) to ``dest`` through ``dest.part``, which an earlier
+    run's ``.part`` continues (with the validator saved beside it)."""
     part = dest.with_name(dest.name + ".part")
-    failures, attempts, started = 0, 0, time.monotonic()
-    furthest = _own_file_size(part)
+    validator_file = part.with_name(part.name + ".validator")
+    offset, validator = _own_file_size(part), _read_validator(validator_file)
+    if offset and not validator and os.path.lexists(validator_file):
+        offset = 0          # one we cannot trust proves nothing: start over
     with tqdm(desc=dest.name.split("-", 1)[-1], unit="B", unit_scale=True, unit_divisor=1024,
               disable=not progress, file=sys.stderr) as bar:
-        while True:
-            attempts += 1
-            try:
-                _http_attempt(url, part, timeout_s, bar, (started + budget_s, budget_s))
-                break
-            except _Transient as exc:
-                size = _own_file_size(part)
-                failures = 1 if size > furthest else failures + 1
-                furthest = max(furthest, size)
-                wait = min(backoff_s * 2 ** (failures - 1), 60.0)
-                elapsed = time.monotonic() - started
-                if failures > retries:
-                    raise StepError(f"download of {redact(url)} failed after {attempts} "
-                                    f"attempts ({failures} in a row without progress): "
-                                    f"{exc}") from None
-                if elapsed + wait > budget_s:
-                    raise StepError(f"download of {redact(url)} gave up after {attempts} "
-                                    f"attempts in {elapsed:.0f} s, its time budget of "
-                                    f"{budget_s:g} s ({exc})") from None
-                time.sleep(wait)
+        body = HttpBody(url, offset, validator, retries, backoff_s, timeout_s, budget_s, bar)
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW   # never into a planted link
+            with os.fdopen(os.open(part, flags, 0o600), "wb") as out:
+                out.seek(offset)
+                for at, chunk in body.chunks():
+                    if at == 0:
+                        _save_validator(validator_file, body.validator)
+                    if at != out.tell():
+                        out.seek(at)
+                        out.truncate()
+                    out.write(chunk)
+        except OSError as exc:
+            raise StepError(f"cannot write {part}: {exc.strerror or exc}") from None
     os.replace(part, dest)
-    part.with_name(part.name + ".validator").unlink(missing_ok=True)
+    validator_file.unlink(missing_ok=True)
     return dest
 
 
-def _http_attempt(url: str, part: Path, timeout_s: float, bar: tqdm,
-                  budget: tuple[float, float]) -> None:
-    """One GET from the current end of ``part``; raises _Transient when incomplete.
+class _SentAgain(Exception):
+    """The server began the body again from byte 0 (it changed, or Range was ignored)."""
 
-    A resumed request carries ``If-Range`` with the validator (strong ETag or Last-Modified)
-    of the response that began ``part``, so a changed file is sent whole, from zero.
-    """
-    validator = part.with_name(part.name + ".validator")
-    offset = _own_file_size(part)
-    headers = {"User-Agent": f"unet-argo/{__version__}"}
-    if offset:
-        headers["Range"] = f"bytes={offset}-"
-        value = _read_validator(validator)
-        if value:
-            headers["If-Range"] = value
-        elif os.path.lexists(validator):   # one we cannot trust proves nothing: start over
-            part.unlink()
-            offset = 0
-            del headers["Range"]
-    try:
-        response = _OPENER.open(Request(url, headers=headers), timeout=timeout_s)
-    except HTTPError as exc:
-        _http_error(url, part, offset, exc)
-        return
-    except (URLError, http.client.HTTPException, ConnectionError, TimeoutError) as exc:
-        raise _Transient(str(getattr(exc, "reason", exc))) from None
-    with response:
-        offset, total = _resume_point(response, offset, url)
-        if total is not None:
-            limits.check("max_download_bytes", total, f"download of {redact(url)}")
-        if offset == 0:
-            _note_validator(response, validator)
-        bar.total = total
-        bar.n = offset
-        bar.refresh()
-        received = _stream(response, part, offset, bar, url, budget)
-    size = offset + received
-    if total is not None and size < total:
-        raise _Transient(f"connection closed after {size} of {total} bytes")
+    def __init__(self, chunk: bytes):
+        super().__init__("sent again from byte 0")
+        self.chunk = chunk
+
+
+class _BodyReader:
+    """The chunks of an :class:`HttpBody` as the file object ``tarfile`` reads, with the md5
+    of what it gave. A chunk at offset 0 after others raises :class:`_SentAgain`."""
+
+    def __init__(self, chunks: Iterator[tuple[int, bytes]]):
+        self._chunks = chunks
+        self._chunk, self._at, self.size = b"", 0, 0
+        self.md5 = hashlib.md5(usedforsecurity=False)
+
+    def read(self, size: int = -1) -> bytes:
+        while self._at == len(self._chunk):
+            offset, chunk = next(self._chunks, (self.size, b""))
+            if not chunk:
+                return b""
+            if offset != self.size:
+                raise _SentAgain(chunk)
+            self._chunk, self._at, self.size = chunk, 0, self.size + len(chunk)
+        end = len(self._chunk) if size < 0 else min(self._at + size, len(self._chunk))
+        data = self._chunk[self._at:end]
+        self._at = end
+        self.md5.update(data)
+        return data
+
+    def drain(self) -> None:
+        """Read what the tar left after its end (its padding), for the whole file's md5."""
+        while self.read(_CHUNK):
+            pass
 
 
 def _own_file_size(path: Path) -> int:
@@ -346,26 +423,19 @@ def _read_validator(path: Path) -> str | None:
     return value if _VALIDATOR.fullmatch(value) else None
 
 
-def _note_validator(response, path: Path) -> None:
+def _validator_of(response) -> str | None:
+    """The response's strong ETag, else its Last-Modified, when it is one If-Range may carry."""
     etag = response.headers.get("ETag", "")
-    value = etag if etag and not etag.startswith("W/") else response.headers.get("Last-Modified")
-    if value and _VALIDATOR.fullmatch(value.strip()):
-        _write_own(path, value.strip())
+    value = (etag if etag and not etag.startswith("W/")
+             else response.headers.get("Last-Modified") or "").strip()
+    return value if _VALIDATOR.fullmatch(value) else None
+
+
+def _save_validator(path: Path, value: str | None) -> None:
+    if value:
+        _write_own(path, value)
     else:
         path.unlink(missing_ok=True)
-
-
-def _http_error(url: str, part: Path, offset: int, exc: HTTPError) -> None:
-    """Map an HTTP error status: complete file, restart, retry, or a permanent StepError."""
-    if exc.code == 416 and offset:
-        total = _range_total(exc.headers.get("Content-Range", ""))
-        if total == offset:
-            return  # the .part file is already complete
-        part.unlink()
-        raise _Transient("server refused to resume; restarting from zero")
-    if exc.code in TRANSIENT_HTTP:
-        raise _Transient(f"HTTP {exc.code} {exc.reason}")
-    raise StepError(f"download of {redact(url)} failed: HTTP {exc.code} {exc.reason}")
 
 
 def _resume_point(response, offset: int, url: str) -> tuple[int, int | None]:
@@ -390,9 +460,8 @@ def _range_total(content_range: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _stream(response, part: Path, offset: int, bar: tqdm, url: str,
-            budget: tuple[float, float]) -> int:
-    """Append the response body to ``part`` at ``offset``; return the bytes received.
+def _body(response, offset: int, url: str, budget: tuple[float, float]) -> Iterator[bytes]:
+    """The response body from ``offset``, as it arrives.
 
     A body without a length stops at ``max_download_bytes``; one that trickles (fewer than
     ``http_window_bytes`` in a ``http_stall_seconds`` window) is a stalled attempt; nothing
@@ -400,40 +469,29 @@ def _stream(response, part: Path, offset: int, bar: tqdm, url: str,
     allowed = limits.get("max_download_bytes")
     stall_s, window_bytes = limits.get("http_stall_seconds"), limits.get("http_window_bytes")
     received, window_start, in_window = 0, time.monotonic(), 0
-    try:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW   # never into a planted link
-        with os.fdopen(os.open(part, flags, 0o600), "wb") as out:
-            out.seek(offset)
-            out.truncate()
-            while True:
-                try:
-                    chunk = response.read1(_CHUNK)     # what has arrived, not a full buffer
-                except (http.client.HTTPException, ConnectionError, TimeoutError) as exc:
-                    raise _Transient(f"connection lost ({exc.__class__.__name__})") from None
-                if not chunk:
-                    return received
-                now, in_window = time.monotonic(), in_window + len(chunk)
-                if now > budget[0]:
-                    raise StepError(f"download of {redact(url)} ran past its time budget of "
-                                    f"{budget[1]:g} s "
-                                    f"({limits.LIMITS['http_budget_seconds'].env}) after "
-                                    f"{offset + received + len(chunk)} bytes")
-                if now - window_start >= stall_s:
-                    if in_window < window_bytes:
-                        raise _Transient(f"stalled: {in_window} bytes in {now - window_start:.0f}"
-                                         f" s, fewer than {window_bytes} "
-                                         f"({limits.LIMITS['http_window_bytes'].env})")
-                    window_start, in_window = now, 0
-                if offset + received + len(chunk) > allowed:
-                    limits.check("max_download_bytes", offset + received + len(chunk),
-                                 f"download of {redact(url)} (still streaming)")
-                out.write(chunk)
-                received += len(chunk)
-                bar.update(len(chunk))
-    except _Transient:
-        raise
-    except OSError as exc:
-        raise StepError(f"cannot write {part}: {exc.strerror or exc}") from None
+    while True:
+        try:
+            chunk = response.read1(_CHUNK)     # what has arrived, not a full buffer
+        except (http.client.HTTPException, ConnectionError, TimeoutError) as exc:
+            raise _Transient(f"connection lost ({exc.__class__.__name__})") from None
+        if not chunk:
+            return
+        now, in_window = time.monotonic(), in_window + len(chunk)
+        if now > budget[0]:
+            raise StepError(f"download of {redact(url)} ran past its time budget of "
+                            f"{budget[1]:g} s ({limits.LIMITS['http_budget_seconds'].env}) "
+                            f"after {offset + received + len(chunk)} bytes")
+        if now - window_start >= stall_s:
+            if in_window < window_bytes:
+                raise _Transient(f"stalled: {in_window} bytes in {now - window_start:.0f}"
+                                 f" s, fewer than {window_bytes} "
+                                 f"({limits.LIMITS['http_window_bytes'].env})")
+            window_start, in_window = now, 0
+        if offset + received + len(chunk) > allowed:
+            limits.check("max_download_bytes", offset + received + len(chunk),
+                         f"download of {redact(url)} (still streaming)")
+        yield chunk
+        received += len(chunk)
 
 
 # ----------------------------------------------------------------------------- checking
@@ -457,10 +515,11 @@ def check_md5(path: Path, expected: str, progress: bool = True) -> None:
 
 # ----------------------------------------------------------------------------- extraction
 
-def member_target(member: tarfile.TarInfo, archive: Path) -> PurePosixPath | None:
-    """Relative path to extract ``member`` to, None to skip it; unsafe members are refused."""
+def member_target(member: tarfile.TarInfo, archive: str) -> PurePosixPath | None:
+    """Relative path to extract ``member`` (of the archive named ``archive``) to, None to skip
+    it; unsafe members are refused."""
     name = member.name
-    where = f"{archive.name}: member '{name}'"
+    where = f"{archive}: member '{name}'"
     if name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name):
         raise StepError(f"unsafe archive {where} has an absolute path")
     rel = PurePosixPath(name.replace("\\", "/"))
@@ -531,41 +590,69 @@ class _Budget:
 
 
 def extract_tar(archive: Path, dest: Path, progress: bool = True) -> int:
-    """Stream-extract ``archive`` (tar, tar.gz, tar.bz2, tar.xz) into ``dest``; return files.
+    """Stream-extract ``archive`` (tar, tar.gz, tar.bz2, tar.xz) into ``dest``; return files."""
+    with open(archive, "rb") as handle, tqdm(total=archive.stat().st_size, desc="extract",
+                                             unit="B", unit_scale=True, unit_divisor=1024,
+                                             disable=not progress, file=sys.stderr) as bar:
+        return extract_stream(_CountingReader(handle, bar), archive.name, dest)
+
+
+def extract_stream(fileobj, name: str, dest: Path) -> int:
+    """Extract the tar that ``fileobj.read`` gives (the archive ``name``) into ``dest``;
+    return the files written.
 
     Members are read one at a time (mode ``r|*``), so memory stays flat for a 7 GB tar; each
     one's declared size is held to the limits before a byte of it is written.
     """
     dest.mkdir(parents=True, exist_ok=True)
-    budget = _Budget(archive.name)
+    budget = _Budget(name)
     files = 0
-    with open(archive, "rb") as handle, tqdm(total=archive.stat().st_size, desc="extract",
-                                             unit="B", unit_scale=True, unit_divisor=1024,
-                                             disable=not progress, file=sys.stderr) as bar:
-        try:
-            with tarfile.open(fileobj=_CountingReader(handle, bar), mode="r|*",
-                              tarinfo=_BoundedTarInfo) as tar:
-                for member in tar:
-                    rel = member_target(member, archive)
-                    budget.take(member.name, member.size if member.isfile() else 0)
-                    if rel is None:
-                        continue
-                    target = dest.joinpath(*rel.parts)
-                    if member.isdir():
-                        target.mkdir(parents=True, exist_ok=True)
-                        continue
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    source = tar.extractfile(member)
-                    assert source is not None
-                    with open(target, "wb") as out:
-                        shutil.copyfileobj(source, out, _CHUNK)
-                    files += 1
-        except _ARCHIVE_ERRORS as exc:
-            raise StepError(f"{archive.name} is not a readable tar archive "
-                            f"({exc.__class__.__name__}: {exc})") from None
-        except OSError as exc:
-            raise StepError(f"cannot extract {archive.name}: {exc}") from None
+    try:
+        with tarfile.open(fileobj=fileobj, mode="r|*", tarinfo=_BoundedTarInfo) as tar:
+            for member in tar:
+                rel = member_target(member, name)
+                budget.take(member.name, member.size if member.isfile() else 0)
+                if rel is None:
+                    continue
+                target = dest.joinpath(*rel.parts)
+                if member.isdir():
+                    target.mkdir(parents=True, exist_ok=True)
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                source = tar.extractfile(member)
+                assert source is not None
+                with open(target, "wb") as out:
+                    shutil.copyfileobj(source, out, _CHUNK)
+                files += 1
+    except _ARCHIVE_ERRORS as exc:
+        raise StepError(f"{name} is not a readable tar archive "
+                        f"({exc.__class__.__name__}: {exc})") from None
+    except OSError as exc:
+        raise StepError(f"cannot extract {name}: {exc}") from None
     return files
+
+
+def stream_http_tar(url: str, name: str, dest: Path, md5: str | None,
+                    progress: bool = True) -> None:
+    """Extract the tar at ``url`` into ``dest`` as it arrives (:class:`HttpBody`), with no
+    copy of the archive on disk; its md5, over every byte the server sent, is checked at the
+    end, before anything extracted is published. A body sent again from byte 0 is extracted
+    again into an emptied ``dest`` (HttpBody's retries bound how often)."""
+    with tqdm(desc=name, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
+              file=sys.stderr) as bar:
+        chunks = HttpBody(url, bar=bar).chunks()
+        while True:
+            reader = _BodyReader(chunks)
+            try:
+                extract_stream(reader, name, dest)
+                reader.drain()
+                break
+            except _SentAgain as again:
+                shutil.rmtree(dest)
+                chunks = itertools.chain([(0, again.chunk)], chunks)
+    actual = reader.md5.hexdigest()
+    if md5 and actual != md5:
+        raise StepError(f"md5 mismatch for {name}: expected {md5}, got {actual}")
 
 
 def locate_task(root: Path, label: str) -> Path:
@@ -655,9 +742,11 @@ def validate_task(task: Path) -> tuple[int, int]:
 
 # ----------------------------------------------------------------------------- the step
 
-def build_raw(source: Source, staging: Path, cache_dir: Path, md5: str | None,
+def build_raw(source: Source, staging: Path, cache_dir: Path | None, md5: str | None,
               progress: bool = True) -> Path:
-    """Fill ``staging`` with ``Task01_BrainTumour/``; return it (not yet validated)."""
+    """Fill ``staging`` with ``Task01_BrainTumour/``; return it (not yet validated). Without
+    a ``cache_dir`` an http archive is extracted as it arrives (no copy of it on disk), and an
+    S3 one is fetched into ``staging/.download``, which the step removes."""
     target = staging / TASK
     if source.kind == "synthetic":
         p = source.synthetic
@@ -673,12 +762,17 @@ def build_raw(source: Source, staging: Path, cache_dir: Path, md5: str | None,
         if not source.path.is_file():
             raise StepError(f"--source '{source.uri}': {source.path} is not a regular file "
                             "or directory")
-    archive = fetch(source, cache_dir, progress)
-    if md5:
-        check_md5(archive, md5, progress)
     scratch = staging / ".extract"
-    extract_tar(archive, scratch, progress)
-    os.replace(locate_task(scratch, archive.name), target)
+    if source.kind == "http" and cache_dir is None:
+        stream_http_tar(source.uri, source.file_name or "download", scratch, md5, progress)
+        label = source.file_name
+    else:
+        archive = fetch(source, cache_dir or staging / ".download", progress)
+        if md5:
+            check_md5(archive, md5, progress)
+        extract_tar(archive, scratch, progress)
+        label = archive.name
+    os.replace(locate_task(scratch, label), target)
     shutil.rmtree(scratch, ignore_errors=True)
     (target / "imagesTs").mkdir(exist_ok=True)
     return target
@@ -707,8 +801,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--cache-dir", default=None, metavar="DIR",
         help="where downloads are kept ('.part' files are resumed by the next run). Default: "
-             "inside --raw while the step runs, removed with it on success or failure. An "
-             "explicit --cache-dir is kept; a finished file in it is reused only after a run "
+             "none for http(s), whose tar is extracted as it arrives; inside --raw for s3, "
+             "removed with it on success or failure. An explicit --cache-dir is kept; a finished file in it is reused only after a run "
              "that used it succeeded, and only while its sha256 is unchanged")
     parser.add_argument(
         "--no-progress", action="store_true",
@@ -732,7 +826,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     params = {"source": redact(source.uri), "md5": args.md5}
     started = time.monotonic()
     with publish(raw, ARTIFACT, STEP, params) as staging:
-        cache_dir = Path(args.cache_dir) if args.cache_dir else staging / ".download"
+        cache_dir = Path(args.cache_dir) if args.cache_dir else None
         kept = cache_dir / cache_name(source) if args.cache_dir and source.kind in (
             "http", "s3") else None
         try:
@@ -745,7 +839,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if kept:
             trust_cached(kept)
         elif not args.cache_dir:
-            shutil.rmtree(cache_dir, ignore_errors=True)
+            shutil.rmtree(staging / ".download", ignore_errors=True)
     size = sum(p.stat().st_size for p in raw.rglob("*") if p.is_file())
     print(f"download: {n_train} training + {n_test} test cases of {TASK} from "
           f"{redact(source.uri)} -> {raw} ({size / 2**20:.1f} MiB, "

@@ -30,7 +30,8 @@ TASK = synthetic.TASK
 def msd_tar(tmp_path_factory) -> Path:
     """A small synthetic MSD tar (2 training + 1 test case, with macOS ._ files)."""
     path = tmp_path_factory.mktemp("tar") / "Task01_BrainTumour.tar"
-    return synthetic.write_msd_tar(path, cases=2, shape=SHAPE, seed=4, test_cases=1)
+    synthetic.write_msd_tar(path, cases=2, shape=SHAPE, seed=4, test_cases=1)
+    return path
 
 
 def md5_of(path: Path) -> str:
@@ -100,6 +101,7 @@ class _Files(ThreadingHTTPServer):
         self.cut_after: int | None = None              # first GET stops after this many bytes
         self.fail_first = 0                            # first GETs answered with 503
         self.ignore_range = False                      # answer Range requests with 200
+        self.on_request = lambda: None                 # called as each GET arrives
 
     @property
     def url(self) -> str:
@@ -114,6 +116,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         server: _Files = self.server  # type: ignore[assignment]
+        server.on_request()
         data = server.files.get(self.path)
         if server.fail_first:
             server.fail_first -= 1
@@ -230,6 +233,52 @@ def test_http_resume_after_dropped_connection(tmp_path, http_server, msd_tar):
     assert_raw_ok(raw)
     assert http_server.log == [(None, size // 3), (f"bytes={size // 3}-", size - size // 3)]
     assert sum(sent for _, sent in http_server.log) == size
+
+
+def _files_under(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+
+
+def test_http_tar_is_extracted_as_it_arrives_with_no_copy_on_disk(tmp_path, http_server,
+                                                                  msd_tar):
+    """Without --cache-dir the step holds no copy of the tar: when the cut body is resumed,
+    what it has on disk is extracted members (fewer bytes than were sent), no .part or cache
+    folder; and the md5 it checks is the whole file's, across both responses."""
+    size = msd_tar.stat().st_size
+    http_server.cut_after = size // 2
+    seen: list[dict[str, int]] = []
+    http_server.on_request = lambda: seen.append(_files_under(tmp_path))
+    raw = tmp_path / "raw"
+    download.main(["--source", f"{http_server.url}/data/msd.tar", "--raw", str(raw),
+                   "--md5", md5_of(msd_tar), "--no-progress"])
+    assert_raw_ok(raw)
+    assert [sent for _, sent in http_server.log] == [size // 2, size - size // 2]
+    assert seen[0] == {}
+    on_resume = seen[1]
+    assert any(name.endswith(".nii.gz") for name in on_resume), on_resume
+    assert not [n for n in on_resume if n.endswith((".part", ".tar")) or ".download" in n]
+    assert sum(on_resume.values()) < size // 2
+
+
+def test_http_stream_with_another_md5_publishes_nothing(tmp_path, http_server, msd_tar):
+    with pytest.raises(StepError, match=f"md5 mismatch for msd.tar: expected {'0' * 32}, got "
+                                        f"{md5_of(msd_tar)}"):
+        download.main(["--source", f"{http_server.url}/data/msd.tar", "--raw",
+                       str(tmp_path / "raw"), "--md5", "0" * 32, "--no-progress"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_http_stream_sent_again_from_zero_is_extracted_again(tmp_path, http_server, msd_tar):
+    """A server that answers the resume with the whole file: what was extracted from the
+    first half is dropped and the tar extracted again from its start; md5 over the second
+    body only."""
+    size = msd_tar.stat().st_size
+    http_server.cut_after, http_server.ignore_range = size // 2, True
+    raw = tmp_path / "raw"
+    download.main(["--source", f"{http_server.url}/data/msd.tar", "--raw", str(raw),
+                   "--md5", md5_of(msd_tar), "--no-progress"])
+    assert_raw_ok(raw)
+    assert http_server.log == [(None, size // 2), (None, size)]
 
 
 def _part_file(cache: Path, uri: str, data: bytes) -> Path:

@@ -578,11 +578,14 @@ def test_one_modality_image_runs_through_predict(tmp_path, capsys):
 def test_stopped_download_leaves_nothing_in_its_output(sig, tmp_path):
     started = threading.Event()
 
-    def respond(h):
+    member = tarfile.TarInfo("Task01_BrainTumour/imagesTr/a.nii.gz")
+    member.size = 100 << 20
+
+    def respond(h):                   # a tar whose first member is still arriving
         h.send_response(200)
-        h.send_header("Content-Length", str(100 << 20))
+        h.send_header("Content-Length", str(101 << 20))
         h.end_headers()
-        h.wfile.write(b"x" * 65536)
+        h.wfile.write(member.tobuf() + b"x" * 65536)
         started.set()
         time.sleep(30)
 
@@ -594,7 +597,7 @@ def test_stopped_download_leaves_nothing_in_its_output(sig, tmp_path):
                                 cwd=REPO, env=step_env(), stderr=subprocess.PIPE, text=True)
         assert started.wait(60), "the download never started"
         deadline = time.monotonic() + 30
-        while not list(raw.rglob("*.part")) and time.monotonic() < deadline:
+        while not [p for p in raw.rglob("*") if p.is_file()] and time.monotonic() < deadline:
             time.sleep(0.05)
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
