@@ -66,7 +66,7 @@ class Forward:
         self.remote, self.kubectl_args, self.wait = remote, kubectl_args, wait
         self.ready: asyncio.Queue[Kubectl] = asyncio.Queue()
         self.tasks: set[asyncio.Task] = set()     # held: a pending task is not collected
-        self.procs: set[asyncio.subprocess.Process] = set()   # every kubectl not yet ended
+        self.procs: set[asyncio.subprocess.Process] = set()   # every kubectl not yet reaped
         self.lost = 0                             # kubectls that ended under a connection
 
     def _hold(self, coro) -> asyncio.Task:
@@ -82,6 +82,7 @@ class Forward:
     async def _spare(self) -> None:
         """Start a kubectl and put it in ``ready`` once it listens; retried until one does."""
         while True:
+            self._prune()
             proc = await asyncio.create_subprocess_exec(
                 "kubectl", "port-forward", *self.kubectl_args, f":{self.remote}",
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -94,7 +95,6 @@ class Forward:
                 await self.ready.put(Kubectl(proc, port, errors))
                 return
             await proc.wait()
-            self.procs.discard(proc)
             log(f"kubectl port-forward did not start (exit {proc.returncode}: "
                 f"{await errors or 'no message'}); trying again")
             await asyncio.sleep(1.0)
@@ -110,7 +110,6 @@ class Forward:
             self._hold(self._spare())
             if kubectl.proc.returncode is None:
                 return kubectl
-            self.procs.discard(kubectl.proc)
         return None
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -149,20 +148,31 @@ class Forward:
 
     def _retire(self, kubectl: Kubectl) -> None:
         kubectl.stop()
-        self.procs.discard(kubectl.proc)
+
+    def _prune(self) -> None:
+        """Forget the kubectls that have ended and whose output has been read to its end."""
+        self.procs -= {proc for proc in self.procs if proc.returncode is not None
+                       and proc.stdout.at_eof() and proc.stderr.at_eof()}
 
     async def stop(self) -> None:
-        """Every kubectl it started, the ones starting and waiting ready included, ended."""
-        for task in list(self.tasks):
+        """Every kubectl it started (the ones starting, waiting ready and ending included)
+        ended and reaped, its pipes read to their end, before the event loop closes: a
+        subprocess transport still open then fails in its finalizer ("Event loop is
+        closed")."""
+        tasks = list(self.tasks)
+        for task in tasks:
             task.cancel()
-        for proc in list(self.procs):
+        await asyncio.gather(*tasks, return_exceptions=True)   # no reader holds a pipe now
+        procs = list(self.procs)
+        for proc in procs:
             if proc.returncode is None:
                 proc.terminate()
-        for proc in list(self.procs):
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(proc.wait(), 5)
-            if proc.returncode is None:
+        for proc in procs:
+            try:
+                await asyncio.wait_for(proc.communicate(), 5)
+            except asyncio.TimeoutError:
                 proc.kill()
+                await proc.communicate()
 
 
 async def _port(stdout: asyncio.StreamReader) -> int | None:
