@@ -43,7 +43,9 @@ class Launch:
 @dataclass
 class Outcome:
     """How a process ended. ``cpu_seconds``: its user + system time and that of the
-    descendants it waited for (wait4(2)). ``max_rss_bytes``: its peak memory, and
+    descendants it waited for (wait4(2)). ``max_rss_bytes``: its peak memory,
+    ``max_anon_bytes`` the part of it that is not file pages (what a memory limit cannot take
+    back), and
     ``max_disk_bytes`` the peak of what its working folder held (the pod's volume), sampled
     (see :class:`_Peaks`). All None when it was stopped, or when it was only a client of the
     work (a container engine's)."""
@@ -52,6 +54,7 @@ class Outcome:
     timed_out: bool = False
     cpu_seconds: float | None = None
     max_rss_bytes: int | None = None
+    max_anon_bytes: int | None = None
     max_disk_bytes: int | None = None
 
 
@@ -115,7 +118,8 @@ def run(launch: Launch, echo: TextIO | None = None) -> Outcome:
     if usage is not None:
         outcome.cpu_seconds = usage.ru_utime + usage.ru_stime
         peaks.sample_disk()                  # what it left there counts too
-        outcome.max_rss_bytes, outcome.max_disk_bytes = peaks.memory, peaks.disk
+        outcome.max_rss_bytes, outcome.max_anon_bytes = peaks.memory, peaks.anon
+        outcome.max_disk_bytes = peaks.disk
     return outcome
 
 
@@ -126,7 +130,9 @@ class _Peaks:
     resident sets of it and its descendants summed (``VmRSS``), read from /proc. Not
     getrusage's ``ru_maxrss``: Linux starts a child's from its parent's, since exec keeps the
     high-water mark of the memory it replaces (fs/exec.c, exec_mmap:
-    setmax_mm_hiwater_rss), so every step would weigh at least the runner.
+    setmax_mm_hiwater_rss), so every step would weigh at least the runner. ``anon``: the
+    largest sum of the tree's ``RssAnon`` (no file pages: a memory-mapped dataset it has
+    read counts in RSS, and a cgroup's limit reclaims it).
 
     ``disk``: the blocks allocated under ``root``, its working folder, at most every
     DISK_SAMPLE_S (a walk of the tree; links not followed)."""
@@ -136,6 +142,7 @@ class _Peaks:
     def __init__(self, pid: int, root: Path):
         self.pid, self.root = pid, root
         self.memory: int | None = None
+        self.anon: int | None = None
         self.disk: int | None = None
         self._disk_at = -math.inf
 
@@ -143,8 +150,11 @@ class _Peaks:
         high = _status_kib(self.pid, "VmHWM")
         if high is None:                 # gone, or a zombie: its memory is released
             return
-        tree = sum(_status_kib(pid, "VmRSS") or 0 for pid in [self.pid, *_descendants(self.pid)])
+        pids = [self.pid, *_descendants(self.pid)]
+        tree = sum(_status_kib(pid, "VmRSS") or 0 for pid in pids)
+        anon = sum(_status_kib(pid, "RssAnon") or 0 for pid in pids)
         self.memory = max(self.memory or 0, high * 1024, tree * 1024)
+        self.anon = max(self.anon or 0, anon * 1024)
         if time.monotonic() - self._disk_at >= self.DISK_SAMPLE_S:
             self.sample_disk()
 

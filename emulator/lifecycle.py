@@ -44,11 +44,11 @@ from steps.storage import KEY_VARS
 _OUTPUT_PATH_REF = re.compile(r"\{\{\s*outputs\.artifacts\.([\w\-]+)\.path\s*\}\}")
 
 
-_PEAKS = ("max_rss_bytes", "max_disk_bytes")
+_PEAKS = ("max_rss_bytes", "max_anon_bytes", "max_disk_bytes")
 
 
 def _add_usage(node: NodeResult, outcome: executors.Outcome) -> None:
-    """Fold an attempt's CPU time (summed), peak memory and peak disk (the largest) into
+    """Fold an attempt's CPU time (summed), peak memories and peak disk (the largest) into
     ``node``; each unknown for the node once any attempt's is unknown."""
     first = node.attempts <= 1
     node.cpu_seconds = _fold(first, node.cpu_seconds, outcome.cpu_seconds, lambda a, b: a + b)

@@ -184,7 +184,8 @@ def run(engine: Engine, pod: Pod, host: Callable[[str], Path], log_path: Path,
                                   stop=[engine.binary, "kill", pod.name])
         outcome = executors.run(launch, echo)
         # the engine client's, not the step's
-        outcome.cpu_seconds = outcome.max_rss_bytes = outcome.max_disk_bytes = None
+        outcome.cpu_seconds = outcome.max_rss_bytes = outcome.max_anon_bytes = None
+        outcome.max_disk_bytes = None
         if outcome.returncode == 0 and not outcome.timed_out:
             _copy_outputs(engine, pod, host)
         return outcome

@@ -31,8 +31,8 @@ class ArtifactRef:
 @dataclass
 class NodeResult:
     """One DAG task. ``step_seconds`` is the step process's own wall time (all attempts);
-    ``seconds`` adds artifact transfers and retry waits. ``cpu_seconds``, ``max_rss_bytes``
-    and ``max_disk_bytes`` are None where a container engine ran the step. ``exit_codes`` has
+    ``seconds`` adds artifact transfers and retry waits. ``cpu_seconds`` and the ``max_*``
+    peaks are None where a container engine ran the step. ``exit_codes`` has
     one entry per attempt, as Argo's attempt nodes report ``outputs.exitCode`` (None: the
     step never ran)."""
     task: str
@@ -44,6 +44,7 @@ class NodeResult:
     step_seconds: float = 0.0
     cpu_seconds: float | None = None       # the step process's CPU time, all attempts
     max_rss_bytes: int | None = None       # its largest resident set over the attempts
+    max_anon_bytes: int | None = None      # of that, the most not in file pages
     max_disk_bytes: int | None = None      # the most its pod's folder held, any attempt
     memoized: bool = False
     exit_codes: list[int | None] = field(default_factory=list)

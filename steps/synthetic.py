@@ -308,10 +308,11 @@ def _one_case(shape: tuple[int, int, int], seed: int, cases: int,
 
 def _all_cases(cases: int, test_cases: int, shape: tuple[int, int, int], seed: int,
                workers: int | None, progress: bool) -> Iterator[tuple[str, bytes]]:
-    """Every case's files, in case order, made by ``workers`` processes (default: the CPUs
-    this process is given). At most two cases per worker wait to be written."""
+    """Every case's files, in case order, made by ``workers`` processes (default one: two
+    on the 2-core AMD EPYC made full-size cases no faster, ``benchmarks scale``). At most two
+    cases per worker wait to be written."""
     numbers = range(1, cases + test_cases + 1)
-    workers = min(workers or limits.cpu_count(), len(numbers))
+    workers = min(workers or 1, len(numbers))
     make = functools.partial(_one_case, shape, seed, cases)
     with tqdm(total=len(numbers), desc="synthetic cases", unit="case",
               disable=not progress) as bar:
@@ -498,7 +499,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="voxels per case (default: Task01's 240x240x155)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=None,
-                        help="processes making cases (default: the CPUs this process has)")
+                        help="processes making cases (default 1; more were measured no "
+                             "faster on 2 cores)")
     parser.add_argument("--out", type=Path, default=None,
                         help="write the tar here instead of to the cache "
                              f"(${CACHE_ENV}, default ~/.cache/unet-synthetic)")

@@ -79,8 +79,8 @@ def test_smoke_runs_the_scale_sizes(tmp_path, monkeypatch):
     monkeypatch.setenv("UNET_SYNTHETIC_CACHE", str(tmp_path / "tars"))
     report = _smoke(["scale"], tmp_path)
     rows = report["benchmarks"]["scale"]["rows"]
-    # the tar's generation, 5 steps × 5 (download reads nothing from S3), the time around
-    assert len(rows) == 1 + 5 * 5 - 1 + 1
+    # the tar's generation, 5 steps × 6 (download reads nothing from S3), the time around
+    assert len(rows) == 1 + 5 * 6 - 1 + 1
     for row in rows:                       # a slope may be below 0 where start-up dominates
         assert math.isfinite(row["ours"]) and row["baseline"] > 0, row
     points = report["benchmarks"]["scale"]["details"]["points"]
@@ -91,6 +91,7 @@ def test_smoke_runs_the_scale_sizes(tmp_path, monkeypatch):
         assert point["tar_bytes_served"] == point["tar_bytes"]
         for step in steps.values():
             assert step["cpu_s"] > 0 and step["peak_rss_bytes"] > 50e6, step
+            assert 0 < step["peak_anon_bytes"] <= step["peak_rss_bytes"], step
             assert step["peak_disk_bytes"] >= max(step["s3_read_bytes"],
                                                   step["s3_written_bytes"]) * 0.9, step
             assert 0 < step["wall_s"] <= step["node_s"] < point["wall_s"]

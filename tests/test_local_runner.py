@@ -514,6 +514,7 @@ def test_a_steps_cpu_time_and_peak_memory_are_its_own_over_its_attempts(run, tmp
     assert result.succeeded and node.attempts == 2, result.message
     assert 1.0 <= node.cpu_seconds < 3.0
     assert 300 << 20 < node.max_rss_bytes < 400 << 20
+    assert 300 << 20 < node.max_anon_bytes <= node.max_rss_bytes
     assert result.node("s").max_rss_bytes < 50 << 20
     assert 200 << 20 < result.node("c").max_rss_bytes < 300 << 20
     assert result.to_dict()["nodes"][0]["cpu_seconds"] == node.cpu_seconds
@@ -613,3 +614,25 @@ def test_a_steps_peak_disk_is_the_most_its_folder_held(run):
     result = run(workflow([{"name": "d", "template": "disk"}], [disk]))
     assert result.succeeded, result.message
     assert 64 << 20 <= result.node("d").max_disk_bytes < 70 << 20
+
+
+# Reads a 128 MiB file through a memory map: resident, but file pages, not anonymous memory.
+_MAPPED = """
+import mmap, os, time
+with open("data", "wb") as f:
+    for _ in range(128):
+        f.write(os.urandom(1 << 20))
+with open("data", "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+    total = sum(m[i] for i in range(0, len(m), 4096))
+    time.sleep(0.5)
+"""
+
+
+def test_a_memory_mapped_file_counts_in_rss_not_in_anonymous_memory(run):
+    mapped = {"name": "mapped", "container": {"image": "python:3.11-slim",
+                                              "command": ["python", "-c"], "args": [_MAPPED]}}
+    result = run(workflow([{"name": "m", "template": "mapped"}], [mapped]))
+    node = result.node("m")
+    assert result.succeeded, result.message
+    assert node.max_rss_bytes > 128 << 20
+    assert node.max_anon_bytes < 64 << 20
