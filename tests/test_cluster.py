@@ -18,6 +18,8 @@ built cluster, root, podman or the image these tests skip with the reason; CI se
    docs (emulator/__init__.py, "Checked against Argo Workflows v4.0.5").
 5. per-step pod start, Argo's artifact moves and the step's own time on the real controller,
    beside the emulator's overhead (benchmarks/orchestration.py ``argo_breakdown``).
+6. a few cases at Task01's full size, in its tar layout, served over HTTP from the node
+   (issue 47).
 
 Set ``UNET_CLUSTER_ALLOW_STALE=1`` to run with an image built from other sources than the
 checkout (while steps/ changes); comparisons with the emulator may then differ.
@@ -38,9 +40,11 @@ import yaml
 
 from benchmarks import orchestration
 from benchmarks.common import machine
+from benchmarks.fileserver import FileServer
 from workflows.argo import ArgoError, ArgoServer
 from emulator.dag import pod_name
 from emulator.runner import run_workflow
+from steps import storage, synthetic
 from workflows.s3server import SeaweedServer
 from workflows.versions import setting
 
@@ -626,3 +630,36 @@ def test_a_step_past_its_deadline_agrees(argo, local_store, tmp_path):
     assert wf["status"]["phase"] == "Failed" and table["train"]["attempts"] == 2
     assert table["convert"]["phase"] == "Omitted"
     assert_agree(wf, local)
+
+
+# ---- 6. Task01's full case size (issue 47) --------------------------------------------------
+def test_full_size_cases_in_the_task01_layout_run_through_the_cluster(argo, store, tmp_path):
+    """Three training cases and one test case at Task01's 240×240×155 (4 channels), in its
+    tar layout, served over HTTP from the node as a user's server would serve them (Range,
+    ETag; the pods reach it at their gateway, the node's address on the pod network): the
+    download checks the md5 and the DAG succeeds on Argo's executor with the `cluster`
+    profile's requests. The released ONNX model and every published manifest verify."""
+    tar = tmp_path / "served" / f"{synthetic.TASK}.tar"
+    tar.parent.mkdir()
+    md5 = synthetic.write_msd_tar(tar, cases=3, shape=synthetic.FULL_SHAPE, seed=47,
+                                  test_cases=1)
+    gateway = str(next(ipaddress.ip_network(setting("POD_CIDR")).hosts()))
+    with FileServer({f"/{tar.name}": tar}, host=gateway) as files:
+        name = argo.create_workflow(compiled(f"download.source={files.url('/' + tar.name)}",
+                                             f"download.md5={md5}"))["metadata"]["name"]
+        wf = wait(argo, name)
+        served = files.bytes_sent
+    assert wf["status"]["phase"] == "Succeeded", wf["status"].get("message")
+    assert served == tar.stat().st_size                    # fetched once, whole
+    table = argo_nodes(wf)
+    for task, row in table.items():
+        for artifact, key in row["artifacts"].items():
+            if artifact in ("raw", "dataset", "model", "exported", "release"):
+                published = "exported" if artifact == "release" else artifact   # a copy
+                storage.download_dir(f"s3://{BUCKET}/{key}", tmp_path / task / artifact,
+                                     client=store.client(), artifact=published,
+                                     progress=False)
+    raw = json.loads((tmp_path / "download" / "raw" / synthetic.TASK / "dataset.json")
+                     .read_text())
+    assert (len(raw["training"]), len(raw["test"])) == (3, 1)
+    onnx.checker.check_model(str(tmp_path / "convert" / "release" / "unet2d.onnx"))
