@@ -139,6 +139,11 @@ class Forward:
                     f"{kubectl.proc.returncode}: {await kubectl.errors or 'no message'}); "
                     "sent again")
                 self._retire(kubectl)
+        except asyncio.CancelledError:
+            # stop() cancels it; ending as cancelled would make asyncio 3.11's own done
+            # callback for a server's connection task (streams.py, connection_made:
+            # task.exception()) raise CancelledError into the loop's error log.
+            pass
         finally:
             sending.cancel()
             link.close()
