@@ -21,7 +21,8 @@ Sources:
 Other downloads land in a cache inside the output directory (gone with it on success or
 failure; an explicit ``--cache-dir`` is kept and trusted only after a good run). Every archive
 is held to the size limits of :mod:`steps.limits` and checked against the md5 before anything
-is published (a cached one before anything is extracted), and is extracted member by member with every unsafe member refused (absolute paths, ``..``,
+is published (a cached one before anything is extracted), and is extracted member by
+member with every unsafe member refused (absolute paths, ``..``,
 links, devices, sparse files) and macOS ``._*`` files dropped. A directory source
 contributes only ``dataset.json`` and the regular files it lists.
 """
@@ -343,10 +344,9 @@ def http_download(url: str, dest: Path, *, retries: int = HTTP_RETRIES,
             with os.fdopen(os.open(part, flags, 0o600), "wb") as out:
                 out.seek(offset)
                 for at, chunk in body.chunks():
-                    if at == 0:
+                    if at == 0:     # the body from its start: what the file held goes
                         _save_validator(validator_file, body.validator)
-                    if at != out.tell():
-                        out.seek(at)
+                        out.seek(0)
                         out.truncate()
                     out.write(chunk)
         except OSError as exc:

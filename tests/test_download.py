@@ -314,6 +314,17 @@ def test_http_server_ignoring_range_restarts_cleanly(tmp_path, http_server, msd_
     assert dest.read_bytes() == data
 
 
+def test_a_part_file_longer_than_the_body_is_not_kept_past_it(tmp_path, http_server, msd_tar):
+    """A .part whose validator cannot be trusted starts over from byte 0: none of its old
+    bytes survive, even past the end of the new body."""
+    data = msd_tar.read_bytes()
+    dest = tmp_path / "x.tar"
+    dest.with_name("x.tar.part").write_bytes(b"s" * (len(data) + 5000))
+    dest.with_name("x.tar.part.validator").write_text("not a validator")
+    download.http_download(f"{http_server.url}/data/msd.tar", dest, progress=False)
+    assert dest.read_bytes() == data
+
+
 def test_http_complete_part_file_is_accepted(tmp_path, http_server, msd_tar):
     data = msd_tar.read_bytes()
     dest = tmp_path / "x.tar"
