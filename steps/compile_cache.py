@@ -95,3 +95,22 @@ class CompileCache:
         print(f"train: compile cache {self.name} not used ({why}); compiling",
               file=sys.stderr)
         return False
+
+
+# Dynamo's timers (``dynamo_timed`` in torch/_dynamo/utils.py) for the phases of a first
+# compiled step, in the order they run; nested: tracing and the forward's compilation sit
+# inside "trace+compile", Triton's wait inside both compilations.
+PHASES = {"_compile.compile_inner": "trace+compile", "bytecode_tracing": "tracing",
+          "create_aot_dispatcher_function": "aot", "compile_fx.<locals>.fw_compiler_base":
+          "forward", "compile_fx.<locals>.bw_compiler": "backward",
+          "async_compile.wait": "triton wait"}
+
+
+def phase_seconds() -> dict[str, float]:
+    """Seconds this process spent in each of :data:`PHASES` so far (absent: not run)."""
+    from torch._dynamo.utils import compile_times  # loaded by torch.compile, not at import
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    seconds = dict(zip(names, values))
+    return {label: round(float(seconds[name]), 1) for name, label in PHASES.items()
+            if name in seconds}

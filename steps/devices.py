@@ -241,20 +241,36 @@ def prepare_model(model: torch.nn.Module, info: DeviceInfo) -> torch.nn.Module:
 
 
 def compile_for_device(module: torch.nn.Module, info: DeviceInfo,
-                       compile_cuda: bool = False,
-                       cuda_mode: str = "default") -> torch.nn.Module:
+                       compile_cuda: bool = False, cuda_mode: str = "default",
+                       layout_opt: bool = False) -> torch.nn.Module:
     """What the loop calls: ``torch.compile(backend="hpu_backend", dynamic=False)`` in HPU
     compile mode (static shapes, as Habana's reference: the loop feeds one training shape
-    and one validation shape), ``torch.compile(mode=cuda_mode, dynamic=False)`` on CUDA when
-    ``compile_cuda`` (the training batch has one shape), else ``module``."""
+    and one validation shape), Inductor with ``cuda_mode``'s options on CUDA when
+    ``compile_cuda`` (the training batch has one shape), else ``module``.
+
+    ``layout_opt`` forces Inductor's layout optimization: the compiled graph keeps the
+    tensors around every convolution channels_last. Its own heuristic
+    (``GraphLowering.decide_layout_opt`` in torch/_inductor/graph.py) turns it off for any
+    graph with a convolution whose input has twice its output's channels, which every
+    decoder block of a U-Net has; cuDNN's bf16 kernels on Hopper are NHWC, so the
+    contiguous graph pays a transpose before and after each convolution."""
     if info.kind == "hpu" and info.hpu_mode == "compile":
         return torch.compile(module, backend="hpu_backend", dynamic=False)
     if info.kind == "cuda" and compile_cuda:
         if cuda_mode not in CUDA_COMPILE_MODES:
             raise StepError(f"--cuda-compile-mode must be one of "
                             f"{', '.join(CUDA_COMPILE_MODES)}, got '{cuda_mode}'")
-        return torch.compile(module, mode=cuda_mode, dynamic=False)
+        return torch.compile(module, dynamic=False, options=inductor_options(cuda_mode,
+                                                                              layout_opt))
     return module
+
+
+def inductor_options(cuda_mode: str, layout_opt: bool) -> dict[str, bool]:
+    """``torch.compile``'s options for ``cuda_mode`` (what ``mode=`` would set: torch takes
+    one of the two) and the forced layout optimization."""
+    from torch._inductor import list_mode_options  # 0.9 s to import: only when compiling
+
+    return {**list_mode_options(cuda_mode, False), "force_layout_optimization": layout_opt}
 
 
 def to_device(tensor: torch.Tensor, info: DeviceInfo) -> torch.Tensor:

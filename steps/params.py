@@ -163,6 +163,10 @@ TRAIN = (
     Param("cuda_channels_last", bool, False,
           help="the channels_last memory layout for the network and its batches on CUDA "
                "(false: contiguous, measured faster)"),
+    Param("cuda_layout_opt", bool, True,
+          help="torch.compile on CUDA lays every convolution's tensors out channels_last "
+               "inside the compiled step (Inductor's layout optimization, forced: its "
+               "heuristic skips a U-Net), so cuDNN's NHWC kernels run without transposes"),
     Param("compile_cache", bool, True, shapes_output=False,
           help="save torch.compile's caches beside the checkpoints (--checkpoint-uri) after "
                "the first step and load them on a retry or resume, so it does not compile "

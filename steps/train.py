@@ -368,12 +368,12 @@ def lr_factor(step: int, total: int) -> float:
 
 
 def forwards(net: torch.nn.Module, info: devices.DeviceInfo, world: int,
-             compile_cuda: bool = False, cuda_mode: str = "default"):
+             compile_cuda: bool = False, cuda_mode: str = "default", layout_opt: bool = False):
     """(train, eval) callables: the network compiled first and then wrapped in DDP, as
     Habana's reference orders them. Validation uses the compiled network unwrapped on an
     HPU (one static validation shape) and the plain network on CUDA, where every volume's
     own size would be a new compilation."""
-    compiled = devices.compile_for_device(net, info, compile_cuda, cuda_mode)
+    compiled = devices.compile_for_device(net, info, compile_cuda, cuda_mode, layout_opt)
     train_forward = devices.wrap_ddp(compiled, info) if world > 1 else compiled
     return train_forward, (net if info.kind == "cuda" else compiled)
 
@@ -508,7 +508,8 @@ class Trainer:
         self.net = devices.prepare_model(build_model(plan.model_config), self.info)
         self.train_forward, self.eval_forward = forwards(self.net, self.info, world,
                                                          args.cuda_compile,
-                                                         args.cuda_compile_mode)
+                                                         args.cuda_compile_mode,
+                                                         args.cuda_layout_opt)
         self.val_shape = static_shape(self.val_cases, plan.model_config.size_multiple()) \
             if self.info.kind == "hpu" else None
         self.loss_fn = DeepSupervisionLoss()
@@ -525,7 +526,8 @@ class Trainer:
         self.compile_cache = compile_cache.CompileCache(
             self.store, self.info, {**plan.model_config.to_dict(), "batch": self.local_batch,
                                     "patch": list(plan.meta["patch_size"]),
-                                    "mode": args.cuda_compile_mode}) \
+                                    "mode": args.cuda_compile_mode,
+                                    "layout_opt": args.cuda_layout_opt}) \
             if self.store is not None and args.compile_cache and self.compiles() else None
         self.first_step_s = None      # this process's first step, compilation included
         self.progress = Progress()
@@ -673,6 +675,9 @@ class Trainer:
         if self.rank == 0:
             print(f"train: first step {self.first_step_s:.1f} s (compile cache "
                   f"{self.compile_cache_state()})", file=sys.stderr)
+        if self.rank == 0 and self.compiles():
+            phases = ", ".join(f"{k} {v} s" for k, v in compile_cache.phase_seconds().items())
+            print(f"train: compilation: {phases}", file=sys.stderr)
 
     def compile_cache_state(self) -> str:
         """What this process did with the compile cache: off, restored, saved, not saved."""

@@ -48,11 +48,11 @@ def test_smoke_runs_every_fast_benchmark(tmp_path):
     # mixed-precision training) runs on the CPU in --smoke, so it is exercised without a GPU.
     gpu_rows = [row["metric"] for row in report["benchmarks"]["gpu"]["rows"]]
     for what in ("steps.train default, end to end (data included)", "end to end / compute only",
-                 "default vs eager (the default before), compute only",
+                 "default vs contiguous in the compiled step (the default before), compute only",
                  "augmentation on cpu", "img/s compute only, batch 4, cpu ("):
         assert any(what in metric for metric in gpu_rows), what
     ab = report["benchmarks"]["gpu"]["details"]["ab"]
-    for name in ("default", "eager"):
+    for name in ("default", "contiguous"):
         variant = ab["variants"][name]
         assert variant["error"] is None and len(variant["rounds"]["end_to_end"]) == 1
         epoch = variant["rounds"]["epochs"][0]

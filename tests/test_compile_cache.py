@@ -35,7 +35,8 @@ _PROCESS = textwrap.dedent("""
     print(json.dumps({"restored": restored, "saved": saved, "value": value,
                       "load_s": cache.load_s,
                       "hits": counters["inductor"]["fxgraph_cache_hit"],
-                      "misses": counters["inductor"]["fxgraph_cache_miss"]}))
+                      "misses": counters["inductor"]["fxgraph_cache_miss"],
+                      "phases": compile_cache.phase_seconds()}))
 """)
 
 
@@ -60,6 +61,9 @@ def test_a_retry_in_a_new_pod_compiles_from_the_saved_cache(tmp_path):
     assert 0 < retry["load_s"] < 60     # timed: a retry's first step counts it (issue 36)
     assert retry["value"] == cold["value"] == 25.0
     assert "compile cache" in retry["stderr"] and "loaded" in retry["stderr"]
+    # the compilation's phases, as train logs them after its first step
+    assert {"trace+compile", "tracing", "forward"} <= set(cold["phases"])
+    assert cold["phases"]["trace+compile"] >= cold["phases"]["forward"] > 0
 
 
 def test_a_blob_that_cannot_be_used_is_ignored_with_one_line(tmp_path, capsys, monkeypatch):

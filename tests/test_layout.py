@@ -122,6 +122,8 @@ LAZY = {
     "steps.report": {"matplotlib"},     # the Agg backend is chosen before pyplot loads
     "steps.quantize": {"nncf", "openvino"},   # optional: the `openvino` extra
     "steps.device_check": {"torch", "steps", "habana_frameworks"},  # the workers' only
+    "steps.devices": {"torch"},         # Inductor (0.9 s to import) only where a step compiles
+    "steps.compile_cache": {"torch"},   # Dynamo's timers, loaded by torch.compile already
     "workflows.cli": {"emulator"},      # only `run --local` loads the emulator
     "emulator.s3target": {"minio"},     # benchmarks.common loads it where minio is absent
     "benchmarks.quantize": {"openvino"},   # optional, as in steps.quantize

@@ -104,7 +104,7 @@ CHANGED = {
                    "patch_size": "128x96"},
     "train": {"device": "cpu", "devices": 2, "precision": "fp32", "hpu_mode": "lazy",
               "cuda_compile": False, "cuda_compile_mode": "default",
-              "cuda_channels_last": True, "compile_cache": False,
+              "cuda_channels_last": True, "cuda_layout_opt": False, "compile_cache": False,
               "num_workers": 5, "base_filters": 16, "levels": 5, "norm": "batch",
               "deep_supervision": False, "batch_size": 12, "val_batch_size": 7,
               "learning_rate": 0.002, "weight_decay": 0.03, "optimizer": "sgd",

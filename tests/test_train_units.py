@@ -363,16 +363,39 @@ def test_cuda_switches_compile_mode_layout_and_fused_adamw():
     assert not plain.defaults["fused"]
 
 
-def test_cuda_steps_default_to_compiled_cuda_graphs_in_the_contiguous_layout():
+def test_cuda_steps_default_to_compiled_cuda_graphs_with_the_layout_optimization():
     from steps.train import build_parser
     args = build_parser().parse_args(["--dataset", "d", "--model", "m"])
-    assert (args.cuda_compile, args.cuda_compile_mode, args.cuda_channels_last,
-            args.compile_cache) == (True, "reduce-overhead", False, True)
+    assert (args.cuda_compile, args.cuda_compile_mode, args.cuda_layout_opt,
+            args.cuda_channels_last, args.compile_cache) == \
+        (True, "reduce-overhead", True, False, True)
     back = build_parser().parse_args(["--dataset", "d", "--model", "m", "--cuda-compile",
                                       "false", "--cuda-channels-last", "true",
-                                      "--cuda-compile-mode", "default"])
-    assert (back.cuda_compile, back.cuda_compile_mode, back.cuda_channels_last) == \
-        (False, "default", True)
+                                      "--cuda-compile-mode", "default",
+                                      "--cuda-layout-opt", "false"])
+    assert (back.cuda_compile, back.cuda_compile_mode, back.cuda_channels_last,
+            back.cuda_layout_opt) == (False, "default", True, False)
+
+
+def test_the_forced_layout_optimization_is_an_option_torch_compiles_with():
+    """The options carry the mode's own (torch takes mode= or options=, not both) and the
+    forced layout; Inductor accepts them (an unknown key raises) and the compiled U-Net
+    block computes what the eager one does, forward and backward (here on the CPU)."""
+    from steps import devices
+    assert devices.inductor_options("reduce-overhead", True) == \
+        {"triton.cudagraphs": True, "force_layout_optimization": True}
+    assert devices.inductor_options("default", False) == {"force_layout_optimization": False}
+    torch.manual_seed(0)
+    # a decoder block's shape: 16 channels in, 8 out (what Inductor's heuristic refuses)
+    net = torch.nn.Sequential(torch.nn.Conv2d(16, 8, 3, padding=1),
+                              torch.nn.InstanceNorm2d(8, affine=True), torch.nn.LeakyReLU())
+    images = torch.randn(2, 16, 16, 16)
+    compiled = torch.compile(net, dynamic=False,
+                             options=devices.inductor_options("default", True))
+    outputs = [module(images) for module in (net, compiled)]
+    grads = [torch.autograd.grad(out.square().sum(), net[0].weight)[0] for out in outputs]
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-3, atol=1e-3)
 
 
 def test_device_batches_are_device_batch_of_each_step():
