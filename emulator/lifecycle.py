@@ -120,6 +120,24 @@ def remap(items: list[str], known: list[str], host: Callable[[str], Path]) -> li
     return [one(item) for item in items]
 
 
+def free_volumes(pod_dir: Path) -> None:
+    """What the kubelet does with a finished pod's volumes: everything in its folder but its
+    log goes. Kubernetes v1.35.4's volume manager drops a pod's volumes from its desired state
+    once the pod worker reports it terminated, deleted or not
+    (``findAndRemoveDeletedPods`` in pkg/kubelet/volumemanager/populator/
+    desired_state_of_world_populator.go, ``ShouldPodRuntimeBeRemoved`` in
+    pkg/kubelet/pod_workers.go), and tearing an emptyDir down removes its folder
+    (``teardownDefault`` in pkg/volume/emptydir/empty_dir.go). The log stays, as Argo
+    archives it (``archiveLogs``)."""
+    for entry in pod_dir.iterdir():
+        if entry.name == "main.log":
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
 @dataclass
 class AttemptPlan:
     """One attempt, resolved: where its files live and what runs (a process or a pod)."""
@@ -167,6 +185,15 @@ class Lifecycle:
             shutil.rmtree(pod_dir)
         pod_dir.mkdir(parents=True)
         node.log_path = str(pod_dir / "main.log")
+        try:
+            return self._attempt(task, inputs, artifacts, node, node_name, attempt, cutoff)
+        finally:
+            free_volumes(pod_dir)
+
+    def _attempt(self, task: Task, inputs: dict[str, str],
+                 artifacts: dict[str, ArtifactRef | str], node: NodeResult, node_name: str,
+                 attempt: int, cutoff: float | None) -> int | None:
+        pod_dir = self.root / node.pod_name
         try:
             plan = self.plan(task, inputs, node, node_name, attempt, pod_dir, cutoff)
             self._place_inputs(task, plan, artifacts)

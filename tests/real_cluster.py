@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -424,3 +425,64 @@ def keys(server: SeaweedServer | ClusterS3, prefix: str) -> list[str]:
 
 def text(server: SeaweedServer | ClusterS3, key: str) -> str:
     return server.client().get_object(Bucket=BUCKET, Key=key)["Body"].read().decode()
+
+
+# ---- what Argo reports, and what the node keeps ------------------------------------------
+_ATTEMPT = re.compile(r"\((\d+)\)$")
+
+
+def exit_code(node: dict) -> int | None:
+    code = (node.get("outputs") or {}).get("exitCode")
+    return int(code) if code not in (None, "") else None
+
+
+def artifact_keys(outputs: dict) -> dict[str, str]:
+    """Output artifact keys; ``main-logs`` is left out (_DELIBERATE)."""
+    return {a["name"]: (a.get("s3") or {}).get("key", "") for a in outputs.get("artifacts") or []
+            if a["name"] != "main-logs"}
+
+
+def argo_nodes(wf: dict) -> dict[str, dict]:
+    """Per DAG task: phase, attempts, exit codes, memo hit, output parameters, artifact keys."""
+    nodes = wf["status"]["nodes"]
+    table = {}
+    for node in nodes.values():
+        if node.get("boundaryID") != wf["metadata"]["name"] or _ATTEMPT.search(
+                node["displayName"]):
+            continue
+        hit = bool((node.get("memoizationStatus") or {}).get("hit"))
+        if node["type"] == "Retry":
+            attempts = sorted((nodes[c] for c in node.get("children") or []
+                               if _ATTEMPT.search(nodes[c]["displayName"])),
+                              key=lambda n: int(_ATTEMPT.search(n["displayName"]).group(1)))
+        else:
+            attempts = [] if hit or node["type"] != "Pod" else [node]
+        outputs = node.get("outputs") or {}
+        table[node["displayName"]] = {
+            "phase": node["phase"], "attempts": len(attempts),
+            "exit_codes": [exit_code(a) for a in attempts], "memoized": hit,
+            # A failed attempt lists its output parameters without a value (not read).
+            "parameters": {p["name"]: p["value"] for p in outputs.get("parameters") or []
+                           if "value" in p},
+            "artifacts": artifact_keys(outputs)}
+    return table
+
+
+def attempt_log(server: SeaweedServer, wf: dict, task: str, attempt: int) -> str:
+    node = next(n for n in wf["status"]["nodes"].values()
+                if n["displayName"] == f"{task}({attempt})")
+    logs = next(a for a in node["outputs"]["artifacts"] if a["name"] == "main-logs")
+    return text(server, logs["s3"]["key"])
+
+
+def empty_dir_bytes(uid: str) -> int:
+    """The bytes a pod's emptyDirs hold on the node (the kubelet's root, cluster/up.sh)."""
+    total = 0
+    root = STATE / "kubelet" / "pods" / uid / "volumes" / "kubernetes.io~empty-dir"
+    for folder, _, files in os.walk(root):
+        for file in files:
+            try:
+                total += os.lstat(os.path.join(folder, file)).st_blocks * 512
+            except FileNotFoundError:    # torn down while counted
+                pass
+    return total

@@ -49,8 +49,9 @@ from workflows.s3server import SeaweedServer
 from workflows.versions import setting
 
 from real_cluster import (ARGO_URL, BUCKET, CFG, CONTROLLER_NAMESPACE, IMAGE, NAMESPACE, REPO,
-                          S3_NAMESPACE, S3_PORT, api, argo_cli, as_account, cli, compiled, keys,
-                          STATE, kubectl, request, template, text, token, unique, wait)
+                          S3_NAMESPACE, S3_PORT, api, argo_cli, argo_nodes, as_account,
+                          attempt_log, cli, compiled, empty_dir_bytes, keys, kubectl, request,
+                          STATE, template, text, token, unique, wait)
 from train_data import OPEN_GATE, STRICT_GATE, WITH_QUANTIZE
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -91,46 +92,6 @@ def both(argo: ArgoServer, doc: dict, local_store: SeaweedServer, tmp_path: Path
 
 
 # ---- what each side reports, in one shape ------------------------------------------------
-_ATTEMPT = re.compile(r"\((\d+)\)$")
-
-
-def exit_code(node: dict) -> int | None:
-    code = (node.get("outputs") or {}).get("exitCode")
-    return int(code) if code not in (None, "") else None
-
-
-def artifact_keys(outputs: dict) -> dict[str, str]:
-    """Output artifact keys; ``main-logs`` is left out (_DELIBERATE)."""
-    return {a["name"]: (a.get("s3") or {}).get("key", "") for a in outputs.get("artifacts") or []
-            if a["name"] != "main-logs"}
-
-
-def argo_nodes(wf: dict) -> dict[str, dict]:
-    """Per DAG task: phase, attempts, exit codes, memo hit, output parameters, artifact keys."""
-    nodes = wf["status"]["nodes"]
-    table = {}
-    for node in nodes.values():
-        if node.get("boundaryID") != wf["metadata"]["name"] or _ATTEMPT.search(
-                node["displayName"]):
-            continue
-        hit = bool((node.get("memoizationStatus") or {}).get("hit"))
-        if node["type"] == "Retry":
-            attempts = sorted((nodes[c] for c in node.get("children") or []
-                               if _ATTEMPT.search(nodes[c]["displayName"])),
-                              key=lambda n: int(_ATTEMPT.search(n["displayName"]).group(1)))
-        else:
-            attempts = [] if hit or node["type"] != "Pod" else [node]
-        outputs = node.get("outputs") or {}
-        table[node["displayName"]] = {
-            "phase": node["phase"], "attempts": len(attempts),
-            "exit_codes": [exit_code(a) for a in attempts], "memoized": hit,
-            # A failed attempt lists its output parameters without a value (not read).
-            "parameters": {p["name"]: p["value"] for p in outputs.get("parameters") or []
-                           if "value" in p},
-            "artifacts": artifact_keys(outputs)}
-    return table
-
-
 def emulator_nodes(result) -> dict[str, dict]:
     return {n.task: {"phase": n.phase, "attempts": n.attempts, "exit_codes": n.exit_codes,
                      "memoized": n.memoized, "parameters": dict(n.parameters),
@@ -177,13 +138,6 @@ def assert_agree(wf: dict, local, names: dict[str, str] | None = None) -> None:
                 assert float(value) == pytest.approx(float(emulated[task]["parameters"][key]),
                                                      abs=0.02), (task, key)
     assert wf["status"]["phase"] == local.phase
-
-
-def attempt_log(server: SeaweedServer, wf: dict, task: str, attempt: int) -> str:
-    node = next(n for n in wf["status"]["nodes"].values()
-                if n["displayName"] == f"{task}({attempt})")
-    logs = next(a for a in node["outputs"]["artifacts"] if a["name"] == "main-logs")
-    return text(server, logs["s3"]["key"])
 
 
 # ---- 3. the manifests on the real API server -------------------------------------------------
@@ -663,3 +617,14 @@ def test_full_size_cases_in_the_task01_layout_run_through_the_cluster(argo, stor
                      .read_text())
     assert (len(raw["training"]), len(raw["test"])) == (3, 1)
     onnx.checker.check_model(str(tmp_path / "convert" / "release" / "unet2d.onnx"))
+    # the node keeps no step's scratch data: the pods are still there (no podGC), but the
+    # kubelet tore their emptyDirs down when they ended (what emulator.lifecycle.free_volumes
+    # does, with the source cited there)
+    pods = json.loads(kubectl("-n", NAMESPACE, "get", "pods", "-o", "json", "-l",
+                              f"workflows.argoproj.io/workflow={name}"))["items"]
+    assert len(pods) == len(table) and all(p["status"]["phase"] == "Succeeded" for p in pods)
+    deadline = time.monotonic() + 60
+    while (kept := {p["metadata"]["name"]: empty_dir_bytes(p["metadata"]["uid"])
+                    for p in pods}) and any(kept.values()) and time.monotonic() < deadline:
+        time.sleep(2)
+    assert not any(kept.values()), kept

@@ -209,6 +209,10 @@ def test_dag_passes_artifacts_and_parameters_with_argo_keys(run, s3, tmp_path):
     assert result.overhead_seconds == pytest.approx(result.wall_seconds - result.step_seconds)
     record = json.loads((Path(result.run_dir) / "result.json").read_text())
     assert record["phase"] == "Succeeded" and len(record["nodes"]) == 3
+    # each finished pod's volumes are gone, as the kubelet tears them down; its log stays
+    for node in result.nodes:
+        assert [p.name for p in Path(node.log_path).parent.iterdir()] == ["main.log"]
+        assert node.max_disk_bytes > 0          # it held its artifacts while it ran
 
 
 def test_tar_artifact_round_trips_into_a_consumer(run, s3):
@@ -259,8 +263,9 @@ def test_retry_succeeds_on_the_second_attempt(run, s3, tmp_path):
     wf = result.workflow_name
     assert node.attempts == 2
     assert node.pod_name == pod_name(wf, f"{wf}.f(1)", "flaky")  # Argo's retry child
-    assert (Path(result.run_dir) / pod_name(wf, f"{wf}.f(0)", "flaky") / "main.log") \
-        .read_text().startswith("flaky: failing")
+    failed = Path(result.run_dir) / pod_name(wf, f"{wf}.f(0)", "flaky")
+    assert (failed / "main.log").read_text().startswith("flaky: failing")
+    assert [p.name for p in failed.iterdir()] == ["main.log"]    # a failed pod's too
     assert f"{wf}/{node.pod_name}/text/text.txt" in keys(s3, wf)
 
 
