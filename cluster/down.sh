@@ -11,18 +11,6 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/lib.sh"
 
-pid_of() { [[ -f "$RUN_DIR/$1.pid" ]] && cat "$RUN_DIR/$1.pid" || true; }
-alive() { [[ -n "$1" ]] && kill -0 "$1" 2> /dev/null; }
-stop() {  # NAME [GRACE]: SIGTERM, then SIGKILL after GRACE s (15); only the pid up.sh recorded
-  local pid; pid="$(pid_of "$1")"
-  if alive "$pid"; then
-    log "stopping $1 (pid $pid)"
-    kill "$pid" 2> /dev/null || true
-    for _ in $(seq $(( ${2:-15} * 2 ))); do alive "$pid" || break; sleep 0.5; done
-    alive "$pid" && kill -9 "$pid" 2> /dev/null || true
-  fi
-  rm -f "$RUN_DIR/$1.pid"
-}
 ctr_() { ctr --address "$CONTAINERD_SOCK" -n k8s.io "$@"; }
 
 stop argo-port-forward 3

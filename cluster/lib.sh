@@ -65,6 +65,29 @@ guard() {
   done
 }
 die() { log "ERROR: $*"; exit 1; }
+
+# The cluster's host processes (no systemd here): each started detached with its pid in
+# $RUN_DIR/NAME.pid and its output in $LOGS/NAME.log.
+pid_of() { [[ -f "$RUN_DIR/$1.pid" ]] && cat "$RUN_DIR/$1.pid" || true; }
+alive() { [[ -n "$1" ]] && kill -0 "$1" 2> /dev/null; }
+start() {  # NAME CMD...
+  local name="$1"; shift
+  if alive "$(pid_of "$name")"; then
+    log "$name already running (pid $(pid_of "$name"))"; return
+  fi
+  setsid "$@" >> "$LOGS/$name.log" 2>&1 < /dev/null &
+  echo $! > "$RUN_DIR/$name.pid"
+}
+stop() {  # NAME [GRACE]: SIGTERM, then SIGKILL after GRACE s (15); only the pid up.sh recorded
+  local pid; pid="$(pid_of "$1")"
+  if alive "$pid"; then
+    log "stopping $1 (pid $pid)"
+    kill "$pid" 2> /dev/null || true
+    for _ in $(seq $(( ${2:-15} * 2 ))); do alive "$pid" || break; sleep 0.5; done
+    alive "$pid" && kill -9 "$pid" 2> /dev/null || true
+  fi
+  rm -f "$RUN_DIR/$1.pid"
+}
 # restore_sysctls SAVED [ROOT]: write back each "key value" line of SAVED (what up.sh found before
 # the kubelet changed it) under ROOT (/proc/sys), then read each back; prints one line per key
 # that does not hold its value again and returns 1 if there is one.

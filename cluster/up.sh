@@ -18,15 +18,6 @@ PKI="$STATE/pki"
 t_start=$(date +%s)
 
 need_built() { for f in "$@"; do [[ -e "$f" ]] || die "$f missing: run bash cluster/build.sh first"; done; }
-# start NAME CMD...: a detached process with its pid in $RUN_DIR/NAME.pid (no systemd here).
-start() {
-  local name="$1"; shift
-  if [[ -f "$RUN_DIR/$name.pid" ]] && kill -0 "$(cat "$RUN_DIR/$name.pid")" 2> /dev/null; then
-    log "$name already running (pid $(cat "$RUN_DIR/$name.pid"))"; return
-  fi
-  setsid "$@" >> "$LOGS/$name.log" 2>&1 < /dev/null &
-  echo $! > "$RUN_DIR/$name.pid"
-}
 # wait_for DESC SECONDS CMD...: poll until CMD succeeds; on timeout show the log tail and fail.
 wait_for() {
   local desc="$1" secs="$2"; shift 2

@@ -36,7 +36,8 @@ _AWS_OVERRIDES = ("AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE",
 # fixtures are built once), shared by the two workers. The cluster's part mostly waits on the
 # engine (pods starting, Argo's own timers), and the host's tests fill those waits
 # (docs/testing.md, "Where CI's time goes").
-CLUSTER_MODULES = ("test_cluster.py", "test_multinode.py", "test_ui.py", "test_versions.py")
+CLUSTER_MODULES = ("test_cluster.py", "test_chaos.py", "test_multinode.py", "test_ui.py",
+                   "test_versions.py")
 CLUSTER_UNIT = "the real cluster"
 
 

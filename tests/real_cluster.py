@@ -77,6 +77,13 @@ def _script(name: str, *args: str, timeout: float = 900) -> subprocess.Completed
                           timeout=timeout)
 
 
+def restart(process: str, down_s: float) -> None:
+    """cluster/restart.sh: one of the cluster's host processes stopped, kept down for
+    ``down_s`` seconds and started again as it was."""
+    done = _script("restart.sh", process, str(down_s), timeout=down_s + 120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def _last_lines(text: str, n: int = 8) -> str:
     return " | ".join(text.strip().splitlines()[-n:])
 

@@ -9,11 +9,13 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from workflows import argo as argo_module
 from workflows.argo import ArgoError, ArgoServer
 from workflows.cli import main
 
@@ -29,6 +31,7 @@ class FakeArgo:
         self.templates: dict[str, dict] = {}
         self.phases = ["Running", "Succeeded"]
         self.polls = 0
+        self.failures: list[int] = []   # codes the next GETs of a workflow answer first
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -72,6 +75,9 @@ class FakeArgo:
             wf = json.loads(json.dumps(r["body"]["workflow"]))   # Argo returns it, named
             wf["metadata"]["name"] = wf["metadata"]["generateName"] + "xyz12"
             return 200, wf
+        if parts[:3] == ["api", "v1", "workflows"] and r["method"] == "GET" and self.failures:
+            return self.failures.pop(0), {"message": "dial tcp 10.96.0.1:443: connect: "
+                                                     "connection refused"}
         if parts[:3] == ["api", "v1", "workflows"] and r["method"] == "GET":
             phase = self.phases[min(self.polls, len(self.phases) - 1)]
             self.polls += 1
@@ -191,6 +197,29 @@ def test_watch_exit_status_follows_the_workflow(argo, cli, final, code):
     assert f"train: {final}" in proc.stderr
     gets = [r for r in argo.requests if r["method"] == "GET"]
     assert len(gets) == 3 and gets[0]["path"] == "/api/v1/workflows/ml/unet2d-brats-xyz12"
+
+
+def test_watch_rides_out_a_server_that_cannot_reach_its_api_server(argo, cli):
+    """While the API server behind it restarts, Argo's server answers 500: the watch says
+    so once and goes on; a refusal (4xx) or an outage past WATCH_OUTAGE_S still ends it."""
+    argo.phases, argo.failures = ["Running", "Succeeded"], [500, 500, 503]
+    proc = cli("submit", "--watch", "--poll", "0.01")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("still watching") == 1 and "HTTP 500" in proc.stderr
+    assert proc.stdout.strip().endswith("unet2d-brats-xyz12: Succeeded")
+    argo.polls, argo.failures = 0, [404]
+    proc = cli("submit", "--watch", "--poll", "0.01")
+    assert proc.returncode == 2 and "HTTP 404" in proc.stderr
+    assert "still watching" not in proc.stderr
+
+
+def test_a_watch_gives_up_after_its_outage_bound(argo, cli, monkeypatch):
+    monkeypatch.setattr(argo_module, "WATCH_OUTAGE_S", 0.2)
+    argo.failures = [500] * 1000
+    started = time.monotonic()
+    proc = cli("submit", "--watch", "--poll", "0.01")
+    assert proc.returncode == 2 and "HTTP 500" in proc.stderr.splitlines()[-1]
+    assert 0.2 <= time.monotonic() - started < 30
 
 
 def test_refused_token_is_one_line_and_not_echoed(argo, cli):

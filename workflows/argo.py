@@ -36,11 +36,17 @@ from steps import uris
 from steps.errors import StepError
 
 DONE = ("Succeeded", "Failed", "Error")
+WATCH_OUTAGE_S = 300.0   # a watch outlives an API server's restart (tests/test_chaos.py)
 _HERA_MESSAGE = re.compile(r"status code (\d+) with message: `(.*)`", re.DOTALL)
 
 
 class ArgoError(StepError):
-    """The Argo Server refused a request or could not be reached."""
+    """The Argo Server refused a request or could not be reached. ``transient``: it could
+    not be reached, or answered 5xx (it could not reach the API server behind it, say)."""
+
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
 
 
 def _truthy(value: str | None) -> bool:
@@ -118,10 +124,12 @@ class ArgoServer:
         except HeraException as exc:
             found = _HERA_MESSAGE.search(str(exc))
             detail = f"HTTP {found.group(1)} {found.group(2)}" if found else str(exc)
-            raise ArgoError(f"argo server {self.base_url}: {what} failed: {detail}") from None
+            raise ArgoError(f"argo server {self.base_url}: {what} failed: {detail}",
+                            transient=bool(found) and found.group(1).startswith("5")) \
+                from None
         except requests.RequestException as exc:
             raise ArgoError(f"argo server {self.base_url}: cannot reach it "
-                            f"({type(exc).__name__})") from None
+                            f"({type(exc).__name__})", transient=True) from None
         except ValueError as exc:    # pydantic: the reply is not the object Argo returns
             raise ArgoError(f"argo server {self.base_url}: {what}: unexpected reply "
                             f"({str(exc).splitlines()[0][:120]})") from None
@@ -168,12 +176,15 @@ class ArgoServer:
 
     def watch(self, name: str, poll: float = 5.0, timeout: float | None = None,
               out=None) -> str:
-        """Poll until the workflow ends; print each node's phase change; return the phase."""
+        """Poll until the workflow ends; print each node's phase change; return the phase.
+        A poll that fails transiently (the server unreachable or answering 5xx, as while
+        the API server behind it restarts) is said once and repeated, for at most
+        ``WATCH_OUTAGE_S`` in a row: the workflow runs on without the watch."""
         out = out or sys.stderr
         seen: dict[str, str] = {}
         start = time.monotonic()
         while True:
-            status = (self.get_workflow(name) or {}).get("status") or {}
+            status = (self._poll(name, poll, out) or {}).get("status") or {}
             for node in sorted((status.get("nodes") or {}).values(),
                                key=lambda n: n.get("startedAt") or ""):
                 if node.get("type") not in ("Pod", "Retry", "Skipped"):
@@ -190,3 +201,19 @@ class ArgoServer:
                 raise ArgoError(f"workflow {name}: still {phase or 'Pending'} after "
                                 f"{timeout:g} s")
             time.sleep(poll)
+
+    def _poll(self, name: str, every: float, out) -> dict:
+        """get_workflow, repeated through a transient outage of at most WATCH_OUTAGE_S."""
+        began = None
+        while True:
+            try:
+                return self.get_workflow(name)
+            except ArgoError as exc:
+                now = time.monotonic()
+                if not exc.transient or (began is not None and now - began > WATCH_OUTAGE_S):
+                    raise
+                if began is None:
+                    began = now
+                    print(f"{exc}; still watching (up to {WATCH_OUTAGE_S:g} s)", file=out,
+                          flush=True)
+            time.sleep(every)
