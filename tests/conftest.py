@@ -36,8 +36,10 @@ _AWS_OVERRIDES = ("AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE",
 # fixtures are built once), shared by the two workers. The cluster's part mostly waits on the
 # engine (pods starting, Argo's own timers), and the host's tests fill those waits
 # (docs/testing.md, "Where CI's time goes").
-CLUSTER_MODULES = ("test_cluster.py", "test_chaos.py", "test_multinode.py", "test_ui.py",
-                   "test_versions.py")
+# In this order; the faults of test_chaos.py last, where what they leave behind (a controller
+# that restarted, its metrics reset) meets no other test.
+CLUSTER_MODULES = ("test_cluster.py", "test_multinode.py", "test_ui.py", "test_versions.py",
+                   "test_chaos.py")
 CLUSTER_UNIT = "the real cluster"
 
 
@@ -65,11 +67,18 @@ def pytest_collection_modifyitems(config, items):
                                     f"CLUSTER_MODULES (tests/conftest.py): a second worker "
                                     f"would start a second cluster")
     in_worker = hasattr(config, "workerinput")
-    items.sort(key=lambda item: in_cluster_unit(item.nodeid) != in_worker)   # stable sort
+    items.sort(key=lambda item: (in_cluster_unit(item.nodeid) != in_worker,   # stable sort
+                                 cluster_rank(item.nodeid)))
 
 
 def in_cluster_unit(nodeid: str) -> bool:
     return nodeid.split("::")[0].rsplit("/", 1)[-1] in CLUSTER_MODULES
+
+
+def cluster_rank(nodeid: str) -> int:
+    """A cluster module's place in CLUSTER_MODULES; 0 for every other module."""
+    module = nodeid.split("::")[0].rsplit("/", 1)[-1]
+    return CLUSTER_MODULES.index(module) if module in CLUSTER_MODULES else 0
 
 
 @pytest.fixture(scope="session")

@@ -49,9 +49,9 @@ from workflows.s3server import SeaweedServer
 from workflows.versions import setting
 
 from real_cluster import (ARGO_URL, BUCKET, CFG, CONTROLLER_NAMESPACE, IMAGE, NAMESPACE, REPO,
-                          S3_NAMESPACE, S3_PORT, api, argo_cli, argo_nodes, as_account,
-                          attempt_log, cli, compiled, empty_dir_bytes, keys, kubectl, request,
-                          STATE, template, text, token, unique, wait)
+                          S3_NAMESPACE, S3_PORT, STATE, api, argo_cli, argo_nodes, artifact_keys,
+                          as_account, attempt_log, cli, compiled, empty_dir_bytes, keys, kubectl,
+                          request, template, text, token, unique, wait)
 from train_data import OPEN_GATE, STRICT_GATE, WITH_QUANTIZE
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1800)]
