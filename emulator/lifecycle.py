@@ -186,14 +186,14 @@ class Lifecycle:
         pod_dir.mkdir(parents=True)
         node.log_path = str(pod_dir / "main.log")
         try:
-            return self._attempt(task, inputs, artifacts, node, node_name, attempt, cutoff)
+            return self._attempt(task, inputs, artifacts, node, node_name, attempt, cutoff,
+                                 pod_dir)
         finally:
             free_volumes(pod_dir)
 
     def _attempt(self, task: Task, inputs: dict[str, str],
                  artifacts: dict[str, ArtifactRef | str], node: NodeResult, node_name: str,
-                 attempt: int, cutoff: float | None) -> int | None:
-        pod_dir = self.root / node.pod_name
+                 attempt: int, cutoff: float | None, pod_dir: Path) -> int | None:
         try:
             plan = self.plan(task, inputs, node, node_name, attempt, pod_dir, cutoff)
             self._place_inputs(task, plan, artifacts)

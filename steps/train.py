@@ -675,9 +675,10 @@ class Trainer:
         if self.rank == 0:
             print(f"train: first step {self.first_step_s:.1f} s (compile cache "
                   f"{self.compile_cache_state()})", file=sys.stderr)
-        if self.rank == 0 and self.compiles():
-            phases = ", ".join(f"{k} {v} s" for k, v in compile_cache.phase_seconds().items())
-            print(f"train: compilation: {phases}", file=sys.stderr)
+            if self.compiles():
+                phases = ", ".join(f"{k} {v} s"
+                                   for k, v in compile_cache.phase_seconds().items())
+                print(f"train: compilation: {phases}", file=sys.stderr)
 
     def compile_cache_state(self) -> str:
         """What this process did with the compile cache: off, restored, saved, not saved."""
