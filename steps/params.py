@@ -27,6 +27,7 @@ DEVICE_KINDS = ("auto", "hpu", "cuda", "cpu")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 HPU_MODES = ("compile", "lazy", "eager")
 OPTIMIZERS = ("adamw", "fusedadamw", "sgd")
+LR_SCHEDULES = ("cosine", "constant")
 CUDA_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 N_FOLDS = 5
 OUTPUTS_DIR = "argo-outputs"   # under an output artifact: one small text file per value
@@ -189,6 +190,9 @@ TRAIN = (
     Param("val_batch_size", int, 64, ge=1,
           help="slices per forward pass during validation, per device"),
     Param("learning_rate", float, 1e-3, gt=0, le=1, ui=True, help="peak learning rate"),
+    Param("lr_schedule", str, "cosine", choices=LR_SCHEDULES,
+          help="cosine: decay from learning_rate to 0 over the run; constant: learning_rate "
+               "throughout (NVIDIA's nnU-Net without --scheduler)"),
     Param("weight_decay", float, 1e-4, ge=0, help="AdamW/SGD weight decay"),
     Param("optimizer", str, "adamw", choices=OPTIMIZERS, ui=True,
           help="adamw, sgd, or a fused AdamW (Habana's FusedAdamW on hpu, torch's fused "
@@ -198,6 +202,9 @@ TRAIN = (
     Param("max_epochs", int, 100, ge=1, ui=True, help="stop after this many epochs"),
     Param("patience", int, 10, ge=0,
           help="stop after this many epochs without a better mean Dice (0: never)"),
+    Param("skip_first_n_eval", int, 0, ge=0,
+          help="validate only after this many epochs (NVIDIA's nnU-Net --skip_first_n_eval): "
+               "before, no Dice, no best model and no early stopping"),
     Param("steps_per_epoch", int, 0, ge=0,
           help="optimizer steps per epoch; 0: one pass over the training slices"),
     Param("fold", int, 0, ge=0, le=N_FOLDS - 1, ui=True,
@@ -351,6 +358,9 @@ def train_relations(values: Any, nodes: int = 1) -> list[tuple[str, str]]:
     if values.min_epochs > values.max_epochs:
         out.append(("min_epochs", f"must be <= max_epochs ({values.min_epochs} > "
                                   f"{values.max_epochs})"))
+    if values.skip_first_n_eval >= values.max_epochs:
+        out.append(("skip_first_n_eval", f"must be < max_epochs, or no epoch is validated "
+                                         f"({values.skip_first_n_eval} >= {values.max_epochs})"))
     if values.batch_size < values.devices * nodes:
         out.append(("batch_size", f"must be >= devices x nodes, one slice per device "
                                   f"({values.batch_size} < {values.devices} x {nodes})"))

@@ -27,15 +27,17 @@ def _pyplot():
 
 
 def plot_curves(epochs: list[dict[str, Any]], label_names: dict[str, str], path: Path) -> None:
-    """Training loss and validation Dice (mean and per class) against epoch."""
+    """Training loss and validation Dice (mean and per class) against epoch; the Dice of
+    the validated epochs only (``--skip-first-n-eval``)."""
     plt = _pyplot()
-    x = [e["epoch"] for e in epochs]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot(x, [e["loss"] for e in epochs], marker="o")
+    left.plot([e["epoch"] for e in epochs], [e["loss"] for e in epochs], marker="o")
     left.set(title="training loss (Dice + CE)", xlabel="epoch", ylabel="loss")
-    right.plot(x, [e["mean_dice"] for e in epochs], marker="o", label="mean", linewidth=2)
+    validated = [e for e in epochs if "mean_dice" in e]
+    x = [e["epoch"] for e in validated]
+    right.plot(x, [e["mean_dice"] for e in validated], marker="o", label="mean", linewidth=2)
     for cls, name in label_names.items():
-        right.plot(x, [e["dice"][cls] for e in epochs], marker=".", label=f"{cls} {name}")
+        right.plot(x, [e["dice"][cls] for e in validated], marker=".", label=f"{cls} {name}")
     right.set(title="validation Dice", xlabel="epoch", ylabel="Dice", ylim=(0, 1))
     right.legend(fontsize=8)
     fig.tight_layout()
@@ -72,10 +74,14 @@ def write_report(out: Path, metrics: dict[str, Any], label_names: dict[str, str]
     epochs = metrics["epochs"]
     plot_curves(epochs, label_names, out / "curves.png")
     plot_overlays(samples, out / "overlays.png")
+    def dice(e: dict[str, Any]) -> list[str]:
+        if "mean_dice" not in e:                      # not validated
+            return ["–"] * (1 + len(label_names))
+        return [f"{e['mean_dice']:.4f}", *(f"{e['dice'][c]:.4f}" for c in label_names)]
+
     rows = "".join(
         "<tr>" + "".join(f"<td>{v}</td>" for v in (
-            e["epoch"], f"{e['loss']:.4f}", f"{e['mean_dice']:.4f}",
-            *(f"{e['dice'][c]:.4f}" for c in label_names), f"{e['img_per_s']:.1f}",
+            e["epoch"], f"{e['loss']:.4f}", *dice(e), f"{e['img_per_s']:.1f}",
             f"{e['seconds']:.1f}")) + "</tr>" for e in epochs)
     heads = "".join(f"<th>Dice {html.escape(n)}</th>" for n in label_names.values())
     summary = {k: metrics[k] for k in ("best_epoch", "best_mean_dice", "device", "world_size",

@@ -362,8 +362,11 @@ def evaluate(forward, cases, info, batch: int, multiple: int, n_classes: int,
 
 # ------------------------------------------------------------------------- training
 
-def lr_factor(step: int, total: int) -> float:
-    """Cosine decay from 1 to 0 over ``total`` steps."""
+def lr_factor(step: int, total: int, schedule: str = "cosine") -> float:
+    """The learning rate's factor at ``step``: cosine decay from 1 to 0 over ``total`` steps,
+    or 1 throughout (``constant``)."""
+    if schedule == "constant":
+        return 1.0
     return 0.5 * (1.0 + math.cos(math.pi * min(step, total) / max(total, 1)))
 
 
@@ -520,7 +523,7 @@ class Trainer:
                                                 args.learning_rate, args.weight_decay,
                                                 self.info)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, self.total_steps))
+            self.optimizer, lambda s: lr_factor(s, self.total_steps, args.lr_schedule))
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.info.needs_grad_scaler())
         self.store = CheckpointStore(args.checkpoint_uri) if args.checkpoint_uri else None
         self.compile_cache = compile_cache.CompileCache(
@@ -704,21 +707,24 @@ class Trainer:
         self.net.train()
         while p.epoch < args.max_epochs and not self._should_stop():
             train = self.run_epoch()
-            scores, samples = self.validate()
-            validated = True
+            scores = {}
+            if p.epoch >= args.skip_first_n_eval:
+                scores, samples = self.validate()
+                validated = True
             p.epoch += 1
             record = {"epoch": p.epoch, "step": p.step, **train, **scores,
                       "lr": self.optimizer.param_groups[0]["lr"], "device": self.info.kind,
                       "precision": self.info.precision, "world_size": self.world,
                       "batch_size": self.local_batch * self.world}
             p.history.append(record)
-            self._update_best(record)
+            if scores:
+                self._update_best(record)
             p.epoch_loss, p.epoch_steps = 0.0, 0
             self.save_checkpoint()
             if self.rank == 0:
-                print(f"epoch {p.epoch}: loss {record['loss']:.4f} mean Dice "
-                      f"{record['mean_dice']:.4f} {record['img_per_s']:.1f} img/s",
-                      file=sys.stderr)
+                dice = f"mean Dice {record['mean_dice']:.4f}" if scores else "not validated"
+                print(f"epoch {p.epoch}: loss {record['loss']:.4f} {dice} "
+                      f"{record['img_per_s']:.1f} img/s", file=sys.stderr)
         self.batches = None   # stops the loader's workers (early stopping leaves batches)
         if not validated:   # resumed after the last epoch: validate once for the overlays
             _, samples = self.validate()

@@ -89,6 +89,23 @@ def test_cpu_run_learns_and_publishes_the_model_artifact(dataset, tmp_path):
                                                               abs=1e-6)
 
 
+def test_the_first_epochs_unvalidated_and_a_constant_rate(dataset, tmp_path):
+    """NVIDIA's --skip_first_n_eval and a constant rate (the nvidia_2d profile): the first
+    epochs have no Dice, the best model comes from a validated one, the report shows a dash
+    where there is no Dice, and the rate never moves."""
+    model = tmp_path / "model"
+    done = train(dataset, model, "--batch-size", "8", "--steps-per-epoch", "3",
+                 "--max-epochs", "3", "--skip-first-n-eval", "2", "--lr-schedule", "constant",
+                 "--learning-rate", "8e-4", "--patience", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    epochs = json.loads((model / "metrics.json").read_text())["epochs"]
+    assert [("mean_dice" in e) for e in epochs] == [False, False, True]
+    assert [e["lr"] for e in epochs] == pytest.approx([8e-4] * 3)
+    assert load(model / "best.pt")["metrics"]["best_epoch"] == 3   # patience 1 never fired
+    assert "epoch 1: loss" in done.stderr and "not validated" in done.stderr
+    assert "<td>–</td>" in (model / "report" / "report.html").read_text()
+
+
 def test_two_process_gloo_ddp_run_publishes_the_same_outputs(dataset, tmp_path):
     model = tmp_path / "model"
     done = train(dataset, model, "--devices", "2", "--batch-size", "4",
@@ -186,6 +203,7 @@ def test_mismatched_dataset_manifest(dataset, tmp_path):
     (["--devices", "4", "--batch-size", "2"], "--batch-size must be >= devices x nodes"),
     (["--device", "cuda"], "no CUDA GPU found"),
     (["--device", "hpu"], "no Gaudi HPU found"),
+    (["--max-epochs", "2", "--skip-first-n-eval", "2"], "--skip-first-n-eval must be < max_epochs"),
 ])
 def test_bad_parameters(dataset, tmp_path, args, needle):
     if "cuda" in args and torch.cuda.is_available():
