@@ -198,14 +198,31 @@ def kubectl(*args: str, stdin: str | None = None, check: bool = True) -> str:
     return run.stdout if check else run.stdout + run.stderr
 
 
+def pods_of(name: str) -> list[dict]:
+    """The pods of workflow ``name``, as Argo labels them."""
+    return json.loads(kubectl("-n", NAMESPACE, "get", "pods", "-o", "json", "-l",
+                              f"workflows.argoproj.io/workflow={name}"))["items"]
+
+
+def controller_pods(field: str = "metadata.name", running: bool = False) -> str:
+    """``field`` of the workflow controller's pods (space-separated), Running ones only if
+    ``running``."""
+    which = "?(@.status.phase=='Running')" if running else "*"
+    return kubectl("-n", CONTROLLER_NAMESPACE, "get", "pods", "-l", "app=workflow-controller",
+                   "-o", f"jsonpath={{.items[{which}].{field}}}")
+
+
 S3_NAMESPACE = "unet-s3"   # the cluster's S3, in a namespace of its own as a user's would be
 S3_PORT = 9000             # containers/seaweedfs/entrypoint.sh
 S3_READY = "/tmp/unet-s3-ready"
+S3_VOLUME = STATE / "volumes" / "unet-s3-data"   # the S3 server's PersistentVolume; down.sh
+                                                 # removes it with the rest of STATE
 
 
 class ClusterS3:
     """The cluster's S3: SeaweedFS from the project's own image (containers/seaweedfs, the one
-    docker-compose runs) as a Deployment behind the Service ``s3``. Pods and ``argo server``
+    docker-compose runs) as a Deployment behind the Service ``s3``, its data on a persistent
+    volume (:func:`s3_objects`), so that a restart keeps the bucket. Pods and ``argo server``
     (a pod too) reach it by the Service's name through cluster DNS, :attr:`in_cluster`; the
     tests on the node, where cluster names do not resolve, at its cluster IP through kube-proxy,
     :attr:`endpoint`."""
@@ -224,7 +241,15 @@ class ClusterS3:
 
 
 def s3_objects(image: str, access_key: str, secret_key: str) -> list[dict]:
-    """The S3 server's namespace (Pod Security ``restricted``), keys, Deployment and Service."""
+    """The S3 server's namespace (Pod Security ``restricted``), keys, storage, Deployment and
+    Service.
+
+    Its data is a ``local`` PersistentVolume on the node (S3_VOLUME), statically bound to the
+    claim ``s3-data``, as an administrator provisions local disks for a cluster without a
+    dynamic provisioner; Pod Security ``restricted`` allows the claim where it refuses a
+    hostPath (Kubernetes v1.35.4 staging/src/k8s.io/pod-security-admission/policy/
+    check_restrictedVolumes.go). The Deployment's strategy is ``Recreate``: the old server
+    stops before the next one opens the same folder."""
     labels = {"app": "s3"}
     pod = {"securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000,
                                "seccompProfile": {"type": "RuntimeDefault"}},
@@ -238,16 +263,29 @@ def s3_objects(image: str, access_key: str, secret_key: str) -> list[dict]:
                "securityContext": {"allowPrivilegeEscalation": False,
                                    "capabilities": {"drop": ["ALL"]}},
                "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
-           "volumes": [{"name": "data", "emptyDir": {}}]}
+           "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "s3-data"}}]}
     meta = {"namespace": S3_NAMESPACE}
+    size = {"storage": "50Gi"}
+    node = {"nodeSelectorTerms": [{"matchExpressions": [{
+        "key": "kubernetes.io/hostname", "operator": "In", "values": ["localhost"]}]}]}
     return [
         {"apiVersion": "v1", "kind": "Namespace",
          "metadata": {"name": S3_NAMESPACE,
                       "labels": {"pod-security.kubernetes.io/enforce": "restricted"}}},
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": S3_VOLUME.name},
+         "spec": {"capacity": size, "accessModes": ["ReadWriteOnce"], "storageClassName": "",
+                  "persistentVolumeReclaimPolicy": "Retain", "local": {"path": str(S3_VOLUME)},
+                  "nodeAffinity": {"required": node},
+                  "claimRef": {"namespace": S3_NAMESPACE, "name": "s3-data"}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+         "metadata": {"name": "s3-data", **meta},
+         "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "",
+                  "volumeName": S3_VOLUME.name, "resources": {"requests": size}}},
         {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-keys", **meta},
          "stringData": {"AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key}},
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "s3", **meta},
          "spec": {"replicas": 1, "selector": {"matchLabels": labels},
+                  "strategy": {"type": "Recreate"},
                   "template": {"metadata": {"labels": labels}, "spec": pod}}},
         {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s3", **meta},
          "spec": {"selector": labels, "ports": [{"name": "s3", "port": S3_PORT,
@@ -265,6 +303,10 @@ def store(cluster):
     load = _script("load-image.sh", image, timeout=600)
     assert load.returncode == 0, f"cluster/load-image.sh: {_last_lines(load.stderr)}"
     kubectl("delete", "namespace", S3_NAMESPACE, "--ignore-not-found", "--timeout=120s")
+    kubectl("delete", "persistentvolume", S3_VOLUME.name, "--ignore-not-found")
+    shutil.rmtree(S3_VOLUME, ignore_errors=True)      # an earlier session's bucket
+    S3_VOLUME.mkdir(parents=True, mode=0o700)
+    os.chown(S3_VOLUME, 1000, 1000)                   # the server's uid (s3_objects)
     access_key, secret_key = "AK" + secrets.token_hex(8).upper(), secrets.token_urlsafe(30)
     kubectl("apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List",
                                                    "items": s3_objects(image, access_key,
@@ -274,6 +316,25 @@ def store(cluster):
     server = ClusterS3(f"{ip}:{S3_PORT}", access_key, secret_key)
     until(lambda: _has_bucket(server), 60, f"bucket {BUCKET} at {server.endpoint}", every=1)
     yield server
+
+
+def scale(namespace: str, deployment: str, replicas: int, selector: str) -> None:
+    """A Deployment stopped (0: its pods, found by ``selector``, gone) or started again (1:
+    rolled out, its pod ready)."""
+    kubectl("-n", namespace, "scale", f"deployment/{deployment}", f"--replicas={replicas}")
+    if replicas:
+        kubectl("-n", namespace, "rollout", "status", f"deployment/{deployment}",
+                "--timeout=300s")
+        return
+    until(lambda: not json.loads(kubectl("-n", namespace, "get", "pods", "-l", selector,
+                                         "-o", "json"))["items"], 120,
+          f"{deployment}'s pods gone", 0.5)
+
+
+def scale_s3(replicas: int) -> None:
+    """The S3 server stopped (0) or started again (1: its readiness probe says the bucket
+    answers)."""
+    scale(S3_NAMESPACE, "s3", replicas, "app=s3")
 
 
 def _has_bucket(server: ClusterS3) -> bool:
@@ -451,7 +512,7 @@ def artifact_keys(outputs: dict) -> dict[str, str]:
 
 def argo_nodes(wf: dict) -> dict[str, dict]:
     """Per DAG task: phase, attempts, exit codes, memo hit, output parameters, artifact keys."""
-    nodes = wf["status"]["nodes"]
+    nodes = (wf.get("status") or {}).get("nodes") or {}     # none before the first reconcile
     table = {}
     for node in nodes.values():
         if node.get("boundaryID") != wf["metadata"]["name"] or _ATTEMPT.search(

@@ -50,8 +50,9 @@ from workflows.versions import setting
 
 from real_cluster import (ARGO_URL, BUCKET, CFG, CONTROLLER_NAMESPACE, IMAGE, NAMESPACE, REPO,
                           S3_NAMESPACE, S3_PORT, STATE, api, argo_cli, argo_nodes, artifact_keys,
-                          as_account, attempt_log, cli, compiled, empty_dir_bytes, keys, kubectl,
-                          request, template, text, token, unique, wait)
+                          as_account, attempt_log, cli, compiled, controller_pods,
+                          empty_dir_bytes, keys, kubectl, pods_of, request, template, text, token,
+                          unique, wait)
 from train_data import OPEN_GATE, STRICT_GATE, WITH_QUANTIZE
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -288,8 +289,7 @@ def test_the_steps_ran_on_the_pod_network_under_baseline(first_run, store):
     enforces Pod Security ``baseline`` as manifests/base declares; their S3 was the Service,
     by its name."""
     name = first_run["metadata"]["name"]
-    pods = json.loads(kubectl("-n", NAMESPACE, "get", "pods", "-o", "json", "-l",
-                              f"workflows.argoproj.io/workflow={name}"))["items"]
+    pods = pods_of(name)
     assert len(pods) >= 4, [p["metadata"]["name"] for p in pods]
     pod_network = ipaddress.ip_network(setting("POD_CIDR"))
     for pod in pods:
@@ -344,9 +344,7 @@ def overheads(wf: dict, local, tmp_path: Path) -> None:
     controller, beside the emulator's figures for the same Workflow; written to
     $UNET_CLUSTER_BENCH (or the test's folder) and printed."""
     name = wf["metadata"]["name"]
-    pods_json = kubectl("-n", NAMESPACE, "get", "pods", "-l",
-                        f"workflows.argoproj.io/workflow={name}", "-o", "json")
-    argo_figures = orchestration.argo_breakdown(wf, json.loads(pods_json)["items"])
+    argo_figures = orchestration.argo_breakdown(wf, pods_of(name))
     assert set(argo_figures["pods"]) == {"download", "preprocess", "train(0)", "convert(0)"}
     for figures in argo_figures["pods"].values():
         assert min(figures.values()) >= 0 and figures["step_s"] > 0, figures
@@ -509,8 +507,7 @@ def test_the_controller_exports_our_metrics(first_run):
     that Argo v4.0.5 gives custom metrics (util/telemetry/exporter_prometheus.go WithNamespace,
     docs/metrics.md); no node failed to emit one. Scraped as Prometheus would, at the
     controller pod's address (Argo's install has no Service for its metrics)."""
-    address = kubectl("-n", CONTROLLER_NAMESPACE, "get", "pods", "-l", "app=workflow-controller",
-                      "-o", "jsonpath={.items[0].status.podIP}")
+    address = controller_pods("status.podIP", running=True).split()[0]
     text = requests.get(f"http://{address}:9090/metrics", timeout=30).text
     prefix = "argo_workflows_"   # what the controller puts before a custom metric's name
     series = {line.split("{")[0].split(" ")[0] for line in text.splitlines()
@@ -620,8 +617,7 @@ def test_full_size_cases_in_the_task01_layout_run_through_the_cluster(argo, stor
     # the node keeps no step's scratch data: the pods are still there (no podGC), but the
     # kubelet tore their emptyDirs down when they ended (what emulator.lifecycle.free_volumes
     # does, with the source cited there)
-    pods = json.loads(kubectl("-n", NAMESPACE, "get", "pods", "-o", "json", "-l",
-                              f"workflows.argoproj.io/workflow={name}"))["items"]
+    pods = pods_of(name)
     assert len(pods) == len(table) and all(p["status"]["phase"] == "Succeeded" for p in pods)
     deadline = time.monotonic() + 60
     while (kept := {p["metadata"]["name"]: empty_dir_bytes(p["metadata"]["uid"])

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from real_cluster import (ARGO_CA, ARGO_URL, CFG, NAMESPACE, REQUIRED, cli, kubectl, request,
-                          until, wait)
+from real_cluster import (ARGO_CA, ARGO_URL, CFG, NAMESPACE, REQUIRED, cli, kubectl, pods_of,
+                          request, until, wait)
 
 try:
     from playwright.sync_api import TimeoutError as NoDialog, sync_playwright
@@ -187,12 +187,6 @@ def node_info(page, task: str):
     info = page.locator(".workflow-node-info, .workflow-details__step-info").first
     info.wait_for()
     return info
-
-
-def pods_of(name: str) -> list[dict]:
-    listed = kubectl("-n", NAMESPACE, "get", "pods", "-l",
-                     f"workflows.argoproj.io/workflow={name}", "-o", "json")
-    return json.loads(listed)["items"]
 
 
 def task_nodes(wf: dict) -> dict[str, dict]:

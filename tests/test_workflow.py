@@ -178,8 +178,10 @@ def test_steps_retry_with_backoff_and_data_steps_are_memoized_instead():
         assert memo["maxAge"] == "720h"
         assert "inputs.parameters['source']" in memo["key"]
         assert "inputs.parameters['md5']" in memo["key"]
+        # one run at a time per key: the others wait, then hit (templates.memoize)
+        assert t[name]["synchronization"] == {"mutexes": [{"name": memo["key"]}]}
     assert "inputs.parameters['patch-size']" in t["preprocess"]["memoize"]["key"]
-    assert "train" not in {n for n in t if "memoize" in t[n]}
+    assert "train" not in {n for n in t if "memoize" in t[n] or "synchronization" in t[n]}
 
 
 def test_workflow_parameters_have_descriptions_and_enums():

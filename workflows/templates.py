@@ -134,9 +134,19 @@ def retry(cfg: Config) -> m.RetryStrategy:
                                              factor=r.backoff_factor, cap=r.backoff_cap))
 
 
-def memoize(cfg: Config, stage: str, names: list[str]) -> m.Memoize:
-    return m.Memoize(key=memo_key(stage, names), max_age=cfg.memoize.max_age,
-                     cache=m.Cache(config_map=m.LocalObjectReference(name=cfg.memoize.config_map)))
+def memoize(cfg: Config, stage: str, names: list[str]) -> dict:
+    """A memoized template's ``memoize`` and ``synchronization``: a mutex named by the memo
+    key, so that runs submitted together with the same inputs do not all miss the cache and
+    run the step at once. The one that holds the mutex runs; each next one, when it gets
+    the mutex, looks the key up again and hits (Argo v4.0.5 workflow/controller/operator.go
+    executeTemplate: the cache is checked "if the node is about to be created, or was
+    created in the past but is only now allowed to run due to acquiring a lock"). Without it
+    Argo has no lock around a miss: every run saves its own entry (cache/configmap_cache.go
+    Save, the last writer wins)."""
+    key = memo_key(stage, names)
+    return {"memoize": m.Memoize(key=key, max_age=cfg.memoize.max_age, cache=m.Cache(
+                config_map=m.LocalObjectReference(name=cfg.memoize.config_map))),
+            "synchronization": m.Synchronization(mutexes=[m.Mutex(name=key)])}
 
 
 def directory(name: str, output: bool = False) -> Artifact:
@@ -274,7 +284,7 @@ def data_step(cfg: Config, name: str, **kw) -> Container:
 
 def download_template(cfg: Config) -> Container:
     return data_step(cfg, "download", env=s3_env(cfg) + extra_env(cfg),
-                     memoize=memoize(cfg, "download", memo_names("download") + ["image-tag"]))
+                     **memoize(cfg, "download", memo_names("download") + ["image-tag"]))
 
 
 def preprocess_template(cfg: Config) -> Container:
@@ -282,7 +292,7 @@ def preprocess_template(cfg: Config) -> Container:
     keyed = memo_names("download") + memo_names("preprocess") + ["image-tag"]
     return data_step(cfg, "preprocess",
                      inputs=[Parameter(name=n) for n in memo_names("download")],
-                     memoize=memoize(cfg, "preprocess", keyed))
+                     **memoize(cfg, "preprocess", keyed))
 
 
 def train_args(cfg: Config, path=artifact_path) -> list[str]:
