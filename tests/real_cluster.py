@@ -318,23 +318,15 @@ def store(cluster):
     yield server
 
 
-def scale(namespace: str, deployment: str, replicas: int, selector: str) -> None:
-    """A Deployment stopped (0: its pods, found by ``selector``, gone) or started again (1:
-    rolled out, its pod ready)."""
-    kubectl("-n", namespace, "scale", f"deployment/{deployment}", f"--replicas={replicas}")
-    if replicas:
-        kubectl("-n", namespace, "rollout", "status", f"deployment/{deployment}",
-                "--timeout=300s")
-        return
-    until(lambda: not json.loads(kubectl("-n", namespace, "get", "pods", "-l", selector,
-                                         "-o", "json"))["items"], 120,
-          f"{deployment}'s pods gone", 0.5)
-
-
 def scale_s3(replicas: int) -> None:
-    """The S3 server stopped (0) or started again (1: its readiness probe says the bucket
-    answers)."""
-    scale(S3_NAMESPACE, "s3", replicas, "app=s3")
+    """The S3 server stopped (0: its pod gone) or started again (1: rolled out, its
+    readiness probe saying the bucket answers)."""
+    kubectl("-n", S3_NAMESPACE, "scale", "deployment/s3", f"--replicas={replicas}")
+    if replicas:
+        kubectl("-n", S3_NAMESPACE, "rollout", "status", "deployment/s3", "--timeout=300s")
+        return
+    until(lambda: not json.loads(kubectl("-n", S3_NAMESPACE, "get", "pods", "-l", "app=s3",
+                                         "-o", "json"))["items"], 120, "the S3 pod gone", 0.5)
 
 
 def _has_bucket(server: ClusterS3) -> bool:

@@ -66,16 +66,20 @@ def running_train(store, name: str) -> str:
     return until(ready, 600, f"{name}'s train running with a checkpoint in S3", every=0.5)
 
 
-def step_pod(name: str, step: str, container: str, state: str) -> str | None:
-    """The pod of ``step`` in workflow ``name`` whose ``container`` (main, init, wait) is in
-    ``state`` (waiting, running, terminated), if there is one."""
+def step_pod(name: str, step: str, container: str = "", state: str = "") -> str | None:
+    """The pod of ``step`` in workflow ``name``, if there is one; with ``container`` (main,
+    init, wait), one whose container is in ``state`` (waiting, running, terminated)."""
     for pod in pods_of(name):
-        statuses = pod["status"].get("initContainerStatuses", []) + \
-            pod["status"].get("containerStatuses", [])
-        if pod["metadata"]["name"].startswith(f"{name}-{step}-") and any(
-                c["name"] == container and state in c.get("state", {}) for c in statuses):
+        if pod["metadata"]["name"].startswith(f"{name}-{step}-") and (not container or any(
+                c["name"] == container and state in c.get("state", {})
+                for c in container_statuses(pod["status"]))):
             return pod["metadata"]["name"]
     return None
+
+
+def container_statuses(status: dict) -> list[dict]:
+    """A pod status's init and regular containers' statuses."""
+    return status.get("initContainerStatuses", []) + status.get("containerStatuses", [])
 
 
 def pod_status(pod: str) -> dict:
@@ -111,9 +115,7 @@ def quantity_bytes(quantity: str) -> int:
 def controller_pid() -> int:
     """The host pid of the workflow controller's process (its container's task in
     containerd)."""
-    container = kubectl("-n", CONTROLLER_NAMESPACE, "get", "pods", "-l",
-                        "app=workflow-controller", "-o",
-                        "jsonpath={.items[0].status.containerStatuses[0].containerID}")
+    container = controller_pods("status.containerStatuses[0].containerID").split()[0]
     return next(int(line.split()[1]) for line in ctr("tasks", "ls").splitlines()
                 if line.startswith(container.removeprefix("containerd://")))
 
@@ -139,9 +141,8 @@ def s3_down_while(begun, what: str) -> str:
 def transfer_seconds(pod: str, container: str) -> float:
     """How long the executor's ``container`` moved its artifacts: the init container's run,
     or the wait container's from main's end."""
-    states = {c["name"]: c["state"].get("terminated", {}) for c in
-              pod_status(pod).get("initContainerStatuses", []) +
-              pod_status(pod).get("containerStatuses", [])}
+    states = {c["name"]: c["state"].get("terminated", {})
+              for c in container_statuses(pod_status(pod))}
     began = states[container]["startedAt"] if container == "init" else states["main"]["finishedAt"]
     return (datetime.fromisoformat(states[container]["finishedAt"]) -
             datetime.fromisoformat(began)).total_seconds()
@@ -214,8 +215,7 @@ def test_the_controller_lost_while_an_artifact_is_saved_and_replaced_mid_train(
     name = unique("chaos-controller")
     empty_memo_cache()
     argo.create_workflow(compiled(*LONG_TRAIN, name=name))
-    pod = until(lambda: next((p["metadata"]["name"] for p in pods_of(name) if p["metadata"][
-        "name"].startswith(f"{name}-preprocess-")), None), 600, "preprocess's pod", every=0.2)
+    pod = until(lambda: step_pod(name, "preprocess"), 600, "preprocess's pod", every=0.2)
     lost, pid = controller_pods(), controller_pid()
     os.kill(pid, signal.SIGSTOP)
     try:
