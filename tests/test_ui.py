@@ -11,7 +11,6 @@ Without Playwright or Chromium the tests skip with the reason; in CI
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
