@@ -53,10 +53,10 @@ from steps.model import ModelConfig, build_model
 
 STEP = "convert"
 CHECKPOINT = "best.pt"
-ONNX_FILE = "unet2d.onnx"
+ONNX_FILE = predict.ONNX_FILE
 PT2_FILE = "unet2d.pt2"
 PARITY_FILE = "parity.json"
-CARD_FILE = "model-card.json"
+CARD_FILE = predict.CARD_FILE
 INPUT_NAME = "image"
 OUTPUT_NAME = "logits"
 CARD_FORMAT_VERSION = 1

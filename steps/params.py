@@ -246,8 +246,16 @@ QUANTIZE = (
                "INT8 and FP32 labels must agree"),
 )
 
+EVALUATE = (
+    Param("overlap", float, 0.5, ge=0, le=0.9,
+          help="sliding windows' overlap, a share of the window (nnU-Net's 0.5)"),
+    Param("mirroring", bool, True,
+          help="also predict each window flipped along W, H and both, and average the four "
+               "softmaxes (nnU-Net's test-time mirroring)"),
+)
+
 STEPS = {"download": DOWNLOAD, "preprocess": PREPROCESS, "train": TRAIN, "convert": CONVERT,
-         "quantize": QUANTIZE}
+         "quantize": QUANTIZE, "evaluate": EVALUATE}
 
 
 @dataclass(frozen=True)
@@ -272,6 +280,8 @@ ARTIFACTS = {
     "model": "checkpoints, metrics and the training report",
     "exported": "ONNX, .pt2, parity figures and model card",
     "quantized": "the INT8 model, its figures and model card",
+    "evaluation": "evaluation.json (per held-out case and averaged: Dice per label and per "
+                  "BraTS region, HD95 per region) and evaluation.html, which opens with them",
 }
 
 # The training report's folder in the model (report.html and the figures it shows) is an
@@ -298,6 +308,10 @@ IO = {
         reads={"exported": "unet2d.onnx and its model card from steps.convert",
                "dataset": "training-fold slices calibrate, validation volumes gate"},
         writes="quantized", outputs=("int8_mean_dice", "int8_speedup"), release="/int8"),
+    "evaluate": StepIO(
+        reads={"exported": "unet2d.onnx and its model card (the fold it held out)",
+               "dataset": "the held-out cases of the model's fold, whole, and their spacing"},
+        writes="evaluation", outputs=("dice_wt", "dice_tc", "dice_et")),
 }
 
 

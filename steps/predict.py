@@ -35,6 +35,9 @@ from steps.preprocess import (channel_stats, foreground_box, image_channels_last
 
 INPUT_NAME = "image"
 OUTPUT_NAME = "logits"
+# The `exported` artifact's model and card (written by steps.convert).
+ONNX_FILE = "unet2d.onnx"
+CARD_FILE = "model-card.json"
 DEFAULT_BATCH = 16
 # Operator domains a model's nodes may use: ONNX's own (ai.onnx.ml included, which
 # onnxruntime's quantization tools import) and onnxruntime's built-in contrib operators; a
@@ -188,6 +191,16 @@ def check_contract(session, contract: dict[str, Any], path: Path | str) -> None:
             raise StepError(f"--onnx {path}: {name} is {shape}, the metadata needs "
                             f"(N, {want}, H, W) for {want} "
                             f"{'channels' if name == INPUT_NAME else 'classes'}")
+
+
+def read_card(exported: Path) -> dict[str, Any]:
+    """The ``exported`` artifact's model card, checked against ``schemas.ModelCard``."""
+    where = f"artifact 'exported' at {exported}: {CARD_FILE}"
+    if not (exported / CARD_FILE).is_file():
+        raise StepError(f"{where} is missing (not an artifact of steps.convert)")
+    card = schemas.read_json(exported / CARD_FILE, where)
+    schemas.validate(schemas.ModelCard, card, where)
+    return card
 
 
 # ---------------------------------------------------------------------- preprocessing

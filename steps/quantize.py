@@ -46,7 +46,7 @@ from onnxruntime.quantization import (CalibrationMethod, QuantFormat, QuantType,
                                       quantize_static)
 from onnxruntime.quantization.shape_inference import quant_pre_process
 
-from steps import limits, params, predict, schemas
+from steps import limits, params, predict
 from steps.artifacts import check_disjoint, publish, require, write_outputs
 from steps.dataset import Case, fold_names, open_cases, read_metadata
 from steps.errors import StepError, run_main
@@ -54,8 +54,8 @@ from steps.losses import dice_per_class
 from steps.sampler import pad_crop_2d
 
 STEP = "quantize"
-FP32_FILE = "unet2d.onnx"
-CARD_FILE = "model-card.json"
+FP32_FILE = predict.ONNX_FILE
+CARD_FILE = predict.CARD_FILE
 INT8_FILE = "unet2d-int8.onnx"
 OPENVINO_FILE = "unet2d-int8-openvino.xml"   # and its .bin
 REPORT_FILE = "quantization.json"
@@ -308,23 +308,13 @@ def openvino_ir(fp32: Path, out: Path, calibration: Calibration, keep: list[str]
 
 # ------------------------------------------------------------------------------- main
 
-def _card(exported: Path) -> dict[str, Any]:
-    """The FP32 model card, checked against ``schemas.ModelCard``."""
-    where = f"artifact 'exported' at {exported}: {CARD_FILE}"
-    if not (exported / CARD_FILE).is_file():
-        raise StepError(f"{where} is missing (not an artifact of steps.convert)")
-    card = schemas.read_json(exported / CARD_FILE, where)
-    schemas.validate(schemas.ModelCard, card, where)
-    return card
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     check_disjoint({"--quantized": args.quantized}, {"--exported": args.exported,
                                                      "--dataset": args.dataset})
     require(args.exported, "exported")
-    card = _card(args.exported)
+    card = predict.read_card(args.exported)
     meta = read_metadata(args.dataset)
-    fold = card.get("training", {}).get("config", {}).get("fold", 0)   # checked by _card
+    fold = card.get("training", {}).get("config", {}).get("fold", 0)   # checked by read_card
     train_names, val_names = fold_names(meta, fold)
     if not train_names or not val_names:
         raise StepError(f"artifact 'dataset' at {args.dataset}: fold {fold} of the model needs "

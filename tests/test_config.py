@@ -23,9 +23,9 @@ def test_base_config_lists_stages_and_profiles():
     assert cfg.profile == ""
 
 
-def test_quantize_is_the_one_optional_stage():
-    """Without it the DAG has no quantize task and no 'quantize' parameter; stages are
-    never reordered or invented."""
+def test_quantize_and_evaluate_are_the_optional_stages():
+    """Without quantize the DAG has no quantize task and no 'quantize' parameter; evaluate
+    follows convert, with or without quantize; stages are never reordered or invented."""
     doc = render_dict(["pipeline.stages=[download,preprocess,train,convert]"])
     tasks = [t["name"] for t in doc["spec"]["templates"][-1]["dag"]["tasks"]]
     assert "quantize" not in tasks
@@ -33,8 +33,16 @@ def test_quantize_is_the_one_optional_stage():
     doc = render_dict([])
     dag = {t["name"]: t for t in doc["spec"]["templates"][-1]["dag"]["tasks"]}
     assert dag["quantize"]["when"] == "{{workflow.parameters.quantize}} == true"
+    assert "evaluate" not in dag
+    for stages in ("[download,preprocess,train,convert,evaluate]",
+                   "[download,preprocess,train,convert,quantize,evaluate]"):
+        dag = {t["name"]: t for t in render_dict([f"pipeline.stages={stages}"])["spec"][
+            "templates"][-1]["dag"]["tasks"]}
+        assert dag["evaluate"]["depends"] == "convert" and "when" not in dag["evaluate"]
     for bad in ("[download,preprocess,convert,train]", "[download,preprocess,train,quantize]",
-                "[download,preprocess,train,convert,quantize,serve]"):
+                "[download,preprocess,train,convert,quantize,serve]",
+                "[download,preprocess,train,convert,evaluate,quantize]",
+                "[download,preprocess,train,convert,evaluate,evaluate]"):
         with pytest.raises(ConfigError, match="pipeline.stages"):
             load_config(overrides=[f"pipeline.stages={bad}"])
 

@@ -23,9 +23,10 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 # Four training steps make no model the INT8 gate can judge: quantize runs in the DAG in
-# tests/test_pods.py (in the real image) and on its own in tests/test_quantize.py.
+# tests/test_pods.py (in the real image) and on its own in tests/test_quantize.py. Evaluate's
+# figures are checked in tests/test_evaluate.py; here, that it runs in the DAG.
 TINY = ["-p", "train.max_epochs=1", "-p", "train.steps_per_epoch=4",
-        "-p", "pipeline.stages=[download,preprocess,train,convert]"]
+        "-p", "pipeline.stages=[download,preprocess,train,convert,evaluate]"]
 
 
 def run_local(tmp: Path, s3, *overrides: str, tiny: bool = True, code: int = 0) -> dict:
@@ -86,6 +87,28 @@ def test_onnx_model_is_released_with_parity_and_runs(first_run, s3_env, tmp_path
     assert logits.shape == (2, 4, 64, 64) and np.isfinite(logits).all()
 
 
+def test_the_held_out_fold_is_evaluated_after_convert(first_run, s3_env, tmp_path):
+    """The optional stage ``evaluate``: the exported model on fold 0's held-out cases, whole;
+    its three regions' Dice as Argo outputs, the same as in its evaluation.json."""
+    _, result = first_run
+    node = nodes_by_task(result)["evaluate"]
+    assert node["phase"] == "Succeeded"
+    ref = node["artifacts"]["evaluation"]
+    storage.download_dir(f"s3://{ref['bucket']}/{ref['key']}", tmp_path / "evaluation",
+                         client=storage.client())
+    evaluation = json.loads((tmp_path / "evaluation" / "evaluation.json").read_text())
+    data = nodes_by_task(result)["preprocess"]["artifacts"]["dataset"]
+    storage.download_file(f"s3://{data['bucket']}/{data['key']}/dataset.json",
+                          tmp_path / "dataset.json", progress=False)
+    dataset = json.loads((tmp_path / "dataset.json").read_text())
+    assert sorted(evaluation["cases"]) == sorted(dataset["folds"][0]["val"])
+    assert evaluation["fold"] == 0 and evaluation["inference"]["mirroring"] is True
+    for region in ("WT", "TC", "ET"):
+        value = float(node["parameters"][f"dice-{region.lower()}"])
+        assert 0 <= value <= 1 and value == round(evaluation["mean"]["dice"][region], 4)
+    assert (tmp_path / "evaluation" / "evaluation.html").read_text().startswith("<!doctype")
+
+
 def test_second_run_takes_data_steps_from_the_memoization_cache(first_run, s3):
     tmp, first = first_run
     second = run_local(tmp, s3, "-p", "train.steps_per_epoch=2")
@@ -94,8 +117,8 @@ def test_second_run_takes_data_steps_from_the_memoization_cache(first_run, s3):
     for task, artifact in [("download", "raw"), ("preprocess", "dataset")]:
         assert after[task]["memoized"] is True
         assert after[task]["artifacts"][artifact]["key"] == before[task]["artifacts"][artifact]["key"]
-    assert after["train"]["memoized"] is False and after["train"]["phase"] == "Succeeded"
-    assert after["convert"]["phase"] == "Succeeded"
+    assert after["train"]["memoized"] is False
+    assert [after[t]["phase"] for t in ("train", "convert", "evaluate")] == ["Succeeded"] * 3
 
 
 def test_a_missed_int8_gate_fails_the_workflow_after_the_fp32_model_is_released(tmp_path, s3,

@@ -25,7 +25,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from steps import (convert, dataset, download, handoff, predict, preprocess, quantize, schemas,
+from steps import (convert, dataset, download, handoff, predict, preprocess, schemas,
                    synthetic, train)
 from steps.artifacts import write_manifest
 from steps.checkpoints import CheckpointStore
@@ -156,8 +156,8 @@ def test_dataset_metadata_reader(data_dir, capsys, doc):
 def test_model_card_reader(tmp_path, capsys, doc):
     good = {"format_version": 1, "size_multiple": 8,
             "training": {"config": {"fold": 0, "seed": 1}, "metrics": {}}}
-    (tmp_path / quantize.CARD_FILE).write_bytes(doc.draw(broken(good)))
-    ends_cleanly(capsys, lambda: quantize._card(tmp_path))
+    (tmp_path / predict.CARD_FILE).write_bytes(doc.draw(broken(good)))
+    ends_cleanly(capsys, lambda: predict.read_card(tmp_path))
 
 
 class _Session:

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from steps import convert, download, params, preprocess, quantize, train
+from steps import convert, download, evaluate, params, preprocess, quantize, train
 from workflows.config import Config, ConfigError, load_config
 from workflows.unet import build
 
@@ -16,6 +16,7 @@ REQUIRED = {  # the artifact flags each step needs besides its parameters
     "train": ["--dataset", "d", "--model", "m"],
     "convert": ["--model", "m", "--dataset", "d", "--exported", "e"],
     "quantize": ["--exported", "e", "--dataset", "d", "--quantized", "q"],
+    "evaluate": ["--exported", "e", "--dataset", "d", "--evaluation", "v"],
 }
 ALL = [(section, p) for section, spec in params.STEPS.items() for p in spec]
 
@@ -33,6 +34,8 @@ def parse(section: str, argv: list[str]):
         return args
     if section == "quantize":
         return quantize.build_parser().parse_args(argv)
+    if section == "evaluate":
+        return evaluate.build_parser().parse_args(argv)
     return convert.parse_args(argv)
 
 
@@ -116,6 +119,7 @@ CHANGED = {
     "quantize": {"calibration_slices": 40, "calibration_seed": 5,
                  "calibration_method": "entropy", "float_layers": "none",
                  "max_dice_drop": 1.5, "max_class_dice_drop": 3.0, "min_agreement": 0.95},
+    "evaluate": {"overlap": 0.25, "mirroring": False},
 }
 
 
@@ -144,8 +148,8 @@ def compiled_argv(doc: dict, step: str) -> list[str]:
     inputs = {p["name"]: _resolve(p["value"], {}, workflow)
               for p in task.get("arguments", {}).get("parameters", [])}
     args = [_resolve(a, inputs, workflow) for a in template["container"]["args"]]
-    skip = {"--raw", "--dataset", "--model", "--exported", "--quantized", "--nodes",
-            "--checkpoint-uri"}
+    skip = {"--raw", "--dataset", "--model", "--exported", "--quantized", "--evaluation",
+            "--nodes", "--checkpoint-uri"}
     out, i = [], 0
     while i < len(args):
         if args[i] not in skip:
@@ -157,7 +161,8 @@ def compiled_argv(doc: dict, step: str) -> list[str]:
 def test_the_compiled_workflow_runs_each_step_with_the_configs_values():
     overrides = [f"{s}.{k}={params.by_name(params.STEPS[s])[k].text(v)}"
                  for s, values in CHANGED.items() for k, v in values.items()]
-    cfg = load_config(overrides=overrides + ["resources.train.accelerator=cpu"])
+    every_stage = "pipeline.stages=[download,preprocess,train,convert,quantize,evaluate]"
+    cfg = load_config(overrides=overrides + ["resources.train.accelerator=cpu", every_stage])
     doc = build(cfg).to_dict()
     for section in params.STEPS:
         args = parse(section, compiled_argv(doc, section))

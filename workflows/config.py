@@ -27,7 +27,9 @@ from workflows import durations
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "config" / "pipeline.yaml"
 STAGES = ("download", "preprocess", "train", "convert")
-OPTIONAL_STAGES = ("quantize",)   # after convert; on the UI form as the 'quantize' parameter
+# After convert, each optional, in this order: quantize (on the UI form as the 'quantize'
+# parameter) and evaluate (whole volumes of the held-out fold, steps.evaluate).
+OPTIONAL_STAGES = ("quantize", "evaluate")
 _QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
 _DURATION = r"^[0-9]+(s|m|h)$"
 _NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -73,7 +75,8 @@ class _Strict(BaseModel):
 class Pipeline(_Strict):
     model_name: str = Field("unet2d-brats", pattern=_NAME, max_length=40,
                             description="model name: workflow prefix, models/<model_name>/ key")
-    stages: list[Literal["download", "preprocess", "train", "convert", "quantize"]] = \
+    stages: list[Literal["download", "preprocess", "train", "convert", "quantize",
+                         "evaluate"]] = \
         list(STAGES)
     service_account: str = Field("unet-workflow", pattern=_NAME)
     run_as_user: int = Field(1000, ge=1, description="non-root uid for every step pod")
@@ -81,8 +84,10 @@ class Pipeline(_Strict):
     @field_validator("stages")
     @classmethod
     def _all_stages_in_order(cls, value: list[str]) -> list[str]:
-        if tuple(value) not in (STAGES, STAGES + OPTIONAL_STAGES):
-            raise ValueError(f"must be {list(STAGES)}, optionally followed by "
+        optional = tuple(value[len(STAGES):])
+        if tuple(value[:len(STAGES)]) != STAGES or optional != tuple(
+                s for s in OPTIONAL_STAGES if s in optional):
+            raise ValueError(f"must be {list(STAGES)}, optionally followed by any of "
                              f"{list(OPTIONAL_STAGES)} (the DAG's stages in their order)")
         return value
 
@@ -207,6 +212,7 @@ Preprocess = _step_section("preprocess")
 Train = _step_section("train")
 Convert = _step_section("convert")
 Quantize = _step_section("quantize")
+Evaluate = _step_section("evaluate")
 
 
 class Toleration(_Strict):
@@ -251,6 +257,7 @@ class Resources(_Strict):
     preprocess: StepResources = StepResources(cpu="8", memory="32Gi", timeout="6h")
     convert: StepResources = StepResources(cpu="4", memory="16Gi", timeout="2h")
     quantize: StepResources = StepResources(cpu="4", memory="16Gi", timeout="2h")
+    evaluate: StepResources = StepResources(cpu="4", memory="16Gi", timeout="6h")
     handoff: StepResources = Field(StepResources(cpu="1", memory="2Gi", timeout="2h"),
                                    description="multi-node only: share-dataset, collect-model")
     train: TrainResources = TrainResources()
@@ -269,6 +276,7 @@ class Config(_Strict):
     train: Train = Train()
     convert: Convert = Convert()
     quantize: Quantize = Quantize()
+    evaluate: Evaluate = Evaluate()
     resources: Resources = Resources()
     profiles: dict[str, dict[str, Any]] = {}
     local_profile: str = ""
@@ -282,13 +290,17 @@ class Config(_Strict):
         return "quantize" in self.pipeline.stages
 
     @property
+    def evaluates(self) -> bool:
+        return "evaluate" in self.pipeline.stages
+
+    @property
     def train_image_kind(self) -> str:
         return self.resources.train.accelerator
 
 
 EXTENDS = "extends"   # a profile's key: the profile whose changes it starts from
 SECTIONS = ("pipeline", "images", "storage", "memoize", "retry", "download", "preprocess",
-            "train", "convert", "quantize", "resources")
+            "train", "convert", "quantize", "evaluate", "resources")
 
 
 def _merge(base: dict, update: dict) -> dict:

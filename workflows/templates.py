@@ -492,3 +492,8 @@ def convert_template(cfg: Config) -> Container:
 def quantize_template(cfg: Config) -> Container:
     """Beside the FP32 model: ``models/<model_name>/<workflow name>/int8/``."""
     return data_step(cfg, "quantize")
+
+
+def evaluate_template(cfg: Config) -> Container:
+    """The held-out fold's whole volumes through the exported model (steps.evaluate)."""
+    return data_step(cfg, "evaluate")

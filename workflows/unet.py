@@ -13,7 +13,9 @@ Every command takes ``--config config/pipeline.yaml``, ``--profile NAME`` and
 DAG: download --raw--> preprocess --dataset--> train --model--> convert --exported-->
 models/<model_name>/<workflow name>/ (convert also reads ``dataset``), and with the optional
 stage ``quantize`` (``pipeline.stages``; the ``quantize`` parameter turns it off per run)
-convert --exported--> quantize --quantized--> models/<model_name>/<workflow name>/int8/. The templates are
+convert --exported--> quantize --quantized--> models/<model_name>/<workflow name>/int8/; with
+``evaluate`` convert --exported--> evaluate --evaluation--> (the held-out fold's whole volumes,
+scored). The templates are
 :mod:`workflows.templates`. With ``resources.train.nodes > 1`` train becomes a Kubeflow
 PyTorchJob (see :mod:`workflows.multinode`).
 """
@@ -98,6 +100,8 @@ def build(cfg: Config, kind: str = "workflow") -> Workflow:
                      "convert": t.convert_template(cfg)}
         if cfg.quantizes:
             templates["quantize"] = t.quantize_template(cfg)
+        if cfg.evaluates:
+            templates["evaluate"] = t.evaluate_template(cfg)
         templates["train"] = multinode.templates(cfg) if multi else t.train_template(cfg)
         tags = {"data": wf.get_parameter("data-image-tag").with_name("image-tag"),
                 "train": wf.get_parameter("train-image-tag").with_name("image-tag")}

@@ -1,0 +1,289 @@
+"""Whole-volume evaluation of exported models on one fold's held-out cases, as nnU-Net
+validates a fold (and, given the five folds' models, predicts with their ensemble).
+
+    python -m steps.evaluate --exported DIR --dataset DIR --evaluation DIR
+        [--overlap 0.5] [--mirroring true|false] [--with-exported DIR ... --fold K]
+
+Each held-out case of the ``dataset`` artifact, image (C, D, H, W) and label (D, H, W), is
+segmented one axial slice (C, H, W) at a time, as the 2D network was trained:
+
+- **sliding window**: windows of the training patch (``patch_size``, rounded up to the
+  network's size multiple) step over each slice, ``overlap`` apart (nnU-Net's 0.5); their
+  softmaxes are blended with a Gaussian of sigma 1/8 of the window, nnU-Net's weighting
+  (MONAI's ``sliding_window_inference``, mode "gaussian");
+- **mirroring** (switchable): each window is also predicted flipped along W, along H and along
+  both (nnU-Net's mirror axes in 2D), and the four softmaxes are averaged, flipped back;
+- **ensemble**: with further models (``--with-exported``), their softmaxes are averaged too (nnU-Net
+  v1's ensemble of the folds' softmaxes);
+- the label is the argmax of the blended softmax.
+
+The figures are :mod:`steps.metrics`': Dice per label and per BraTS region, HD95 per region,
+per case and averaged over cases, with nnU-Net's mean beside ours (it leaves out the cases
+where a label is absent from both truth and prediction). The output artifact ``evaluation``
+holds ``evaluation.json`` (:func:`summary`'s keys) and ``evaluation.html``, which opens with
+the table and shows, per region, the held-out slice with the most of it: truth and prediction.
+"""
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from monai.inferers import sliding_window_inference
+
+from steps import limits, metrics, params, predict
+from steps.artifacts import check_disjoint, manifest_digest, publish, require, write_outputs
+from steps.dataset import fold_names, open_cases, read_metadata
+from steps.errors import StepError, run_main
+from steps.report import plot_overlays
+
+STEP = "evaluate"
+RESULT_FILE = "evaluation.json"
+PAGE_FILE = "evaluation.html"
+OVERLAYS_FILE = "overlays.png"
+FORMAT_VERSION = 1
+SIGMA_SCALE = 0.125      # nnU-Net's Gaussian: sigma = patch / 8
+# Flipped axes of an (N, C, H, W) window: none, W, H, both (nnU-Net 2D's mirror axes (0, 1)).
+MIRRORS = ((), (3,), (2,), (2, 3))
+SLICES_PER_CALL = 16     # slices that go through one sliding-window pass
+
+
+def window(patch_size: Sequence[int], multiple: int) -> tuple[int, int]:
+    """The sliding window (h, w): the training patch rounded up to the network's multiple."""
+    return tuple(-(-side // multiple) * multiple for side in patch_size)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Softmax over axis 1 of (N, K, H, W) logits, float32."""
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return shifted / shifted.sum(axis=1, keepdims=True)
+
+
+def window_softmax(sessions: list, x: np.ndarray, n_classes: int,
+                   mirroring: bool) -> np.ndarray:
+    """Mean softmax (N, K, h, w) of ``sessions`` on windows ``x`` (N, C, h, w), over the
+    mirrorings too when ``mirroring``."""
+    flips = MIRRORS if mirroring else MIRRORS[:1]
+    total = np.zeros((x.shape[0], n_classes) + x.shape[2:], dtype=np.float32)
+    for session in sessions:
+        for axes in flips:
+            seen = np.ascontiguousarray(np.flip(x, axes)) if axes else x
+            logits = predict.run_model(session, seen, "the model")
+            if logits.shape != total.shape:
+                raise StepError(f"the model returned logits {list(logits.shape)} for input "
+                                f"{list(seen.shape)}; the dataset needs {n_classes} classes "
+                                "at the input's size")
+            total += np.flip(softmax(logits), axes) if axes else softmax(logits)
+    return total / (len(sessions) * len(flips))
+
+
+def pad_to_window(x: np.ndarray, size: tuple[int, int], fill: np.ndarray) -> np.ndarray:
+    """(N, C, H, W) padded at the bottom/right to at least ``size`` with ``fill`` (C,), the
+    background's z-score, so that the sliding window never pads with another value."""
+    n, c, h, w = x.shape
+    out = np.empty((n, c, max(h, size[0]), max(w, size[1])), dtype=np.float32)
+    out[:] = fill.reshape(1, c, 1, 1)
+    out[..., :h, :w] = x
+    return out
+
+
+def segment(sessions: list, image: np.ndarray, size: tuple[int, int], n_classes: int,
+            overlap: float = 0.5, mirroring: bool = True) -> np.ndarray:
+    """Labels (D, H, W) uint8 of a normalised image (C, D, H, W): the argmax of the
+    Gaussian-blended sliding-window softmax, slice by slice."""
+    channels, depth, height, width = image.shape
+    limits.check_memory(4 * 3 * min(SLICES_PER_CALL, depth) * (channels + 2 * n_classes)
+                        * max(height, size[0]) * max(width, size[1]), "a case's softmax")
+    fill = predict.background_fill(image)
+
+    def predictor(windows: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(window_softmax(sessions, windows.numpy(), n_classes,
+                                               mirroring))
+
+    labels = np.empty((depth, height, width), dtype=np.uint8)
+    for start in range(0, depth, SLICES_PER_CALL):
+        slices = np.asarray(image[:, start:start + SLICES_PER_CALL], dtype=np.float32)
+        x = pad_to_window(slices.transpose(1, 0, 2, 3), size, fill)
+        with torch.no_grad():
+            blended = sliding_window_inference(
+                torch.from_numpy(x), size, sw_batch_size=SLICES_PER_CALL, predictor=predictor,
+                overlap=overlap, mode="gaussian", sigma_scale=SIGMA_SCALE)
+        labels[start:start + SLICES_PER_CALL] = \
+            blended[..., :height, :width].argmax(dim=1).numpy()
+    return labels
+
+
+class RegionSlices:
+    """Per BraTS region, the held-out slice with the most truth voxels of it, kept as the
+    cases go by (one slice each, not the cases): overlay samples for
+    ``steps.report.plot_overlays``, image (H, W) of the first channel."""
+
+    def __init__(self) -> None:
+        self.best: dict[str, tuple[int, dict[str, Any]]] = {}
+
+    def add(self, name: str, image: np.ndarray, truth: np.ndarray,
+            prediction: np.ndarray) -> None:
+        """One case: image (C, D, H, W), truth and prediction (D, H, W)."""
+        for region, labels in metrics.REGIONS.items():
+            counts = np.isin(truth, labels).sum(axis=(1, 2))
+            index = int(counts.argmax())
+            if counts[index] > self.best.get(region, (0, None))[0]:
+                self.best[region] = (int(counts[index]), {
+                    "case": f"{region}: {name}", "slice": index,
+                    "image": np.asarray(image[0, index], dtype=np.float32),
+                    "truth": truth[index].copy(), "prediction": prediction[index].copy()})
+
+    def samples(self) -> list[dict[str, Any]]:
+        return [self.best[r][1] for r in metrics.REGIONS if r in self.best]
+
+
+def summary(per_case: dict[str, dict], fold: int, inference: dict[str, Any],
+            models: list[dict[str, Any]], dataset: str) -> dict[str, Any]:
+    """``evaluation.json``: the fold, how it was inferred, each model's provenance, each
+    case's figures, their mean (``mean``: ours, both-empty counted as 1 and 0 mm;
+    ``mean_nnunet``: both-empty left out)."""
+    return {"format_version": FORMAT_VERSION, "fold": fold, "inference": inference,
+            "models": models, "dataset_manifest_sha256": dataset, "cases": per_case,
+            "mean": metrics.mean_over_cases(per_case.values()),
+            "mean_nnunet": metrics.mean_over_cases(per_case.values(), empty_both="skip")}
+
+
+def _cell(value: float) -> str:
+    return "–" if value != value else f"{value:.4f}"       # NaN: no case to average
+
+
+def page(result: dict[str, Any]) -> str:
+    """``evaluation.html``: the table first (mean over the held-out cases), then the cases."""
+    rows = [("Dice", name) for name in (*metrics.REGIONS, *metrics.LABELS.values())] + \
+           [("hd95", name) for name in metrics.REGIONS]
+    head = "".join(f"<th>{'HD95 mm' if m == 'hd95' else 'Dice'} {html.escape(n)}</th>"
+                   for m, n in rows)
+
+    def line(title: str, figures: dict[str, dict]) -> str:
+        cells = "".join(f"<td>{_cell(figures[m.lower()][n])}</td>" for m, n in rows)
+        return f"<tr><th>{html.escape(title)}</th>{cells}</tr>"
+
+    means = line("mean", result["mean"]) + line("mean, nnU-Net's (both-empty left out)",
+                                                 result["mean_nnunet"])
+    cases = "".join(line(name, figures) for name, figures in result["cases"].items())
+    folds = ", ".join(str(m["fold"]) for m in result["models"])
+    mirrors = "on" if result["inference"]["mirroring"] else "off"
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>U-Net evaluation, fold {result['fold']}</title>
+<style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}</style></head><body>
+<h1>Fold {result['fold']}: {len(result['cases'])} held-out cases, whole volumes</h1>
+<table><tr><th></th>{head}</tr>
+{means}</table>
+<p>Models of folds {folds}; sliding window {result['inference']['window']} with overlap
+{result['inference']['overlap']}, Gaussian blending, mirroring {mirrors}. Regions in Task01's
+labels: WT = 1+2+3, TC = 2+3, ET = 3. Both empty: Dice 1, HD95 0; one empty: Dice 0, HD95
+{metrics.EMPTY_HD95_MM:.2f} mm.</p>
+<h2>Per region, the held-out slice with the most of it (left truth, right prediction)</h2>
+<img src="{OVERLAYS_FILE}" alt="truth and prediction per region">
+<h2>Cases</h2>
+<table><tr><th></th>{head}</tr>
+{cases}</table>
+</body></html>
+"""
+
+
+def open_models(folders: list[Path], labels: dict[str, str]) -> tuple[list, list, int]:
+    """The ``exported`` artifacts' ONNX sessions, their provenance, and the one size
+    multiple they share; each model's classes must be the dataset's labels."""
+    sessions, models, multiples = [], [], set()
+    for folder in folders:
+        require(folder, "exported")
+        card = predict.read_card(folder)
+        path = folder / predict.ONNX_FILE
+        session = predict.open_session(path)
+        contract = predict.read_contract(session, path)
+        if contract["labels"] != labels:
+            raise StepError(f"--exported {folder}: the model's labels {contract['labels']} "
+                            f"are not the dataset's {labels}")
+        sessions.append(session)
+        multiples.add(int(contract["size_multiple"]))
+        models.append({"fold": card["training"]["config"]["fold"],
+                       "exported_manifest_sha256": manifest_digest(folder)})
+    if len(multiples) != 1:
+        raise StepError(f"--exported: the models need different size multiples {multiples}")
+    return sessions, models, multiples.pop()
+
+
+def held_out(folders: list[Path], models: list[dict], fold: int | None) -> int:
+    """The fold to evaluate on: ``--fold``, else the one model's; one model's held-out cases
+    were never trained on only if the fold is its own."""
+    if fold is None:
+        if len(models) > 1:
+            raise StepError("--fold is needed with several --exported models")
+        return models[0]["fold"]
+    for folder, model in zip(folders, models):
+        if len(models) == 1 and model["fold"] != fold:
+            raise StepError(f"--fold {fold}: the model in {folder} was trained with fold "
+                            f"{model['fold']} held out; fold {fold}'s cases are in its "
+                            "training set")
+    return fold
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = params.step_parser(STEP, __doc__)
+    p.add_argument("--with-exported", type=Path, action="append", default=[], metavar="DIR",
+                   help="a further `exported` artifact; the models' ensemble is evaluated "
+                        "(their softmaxes averaged), on --fold")
+    p.add_argument("--fold", type=int, default=None,
+                   help="held-out fold (default: the one model's own)")
+    return p
+
+
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    folders = [args.exported, *args.with_exported]
+    check_disjoint({"--evaluation": args.evaluation},
+                   {"--dataset": args.dataset, **{f"--exported {e}": e for e in folders}})
+    meta = read_metadata(args.dataset)
+    labels = dict(meta["labels"])
+    sessions, models, multiple = open_models(folders, labels)
+    fold = held_out(folders, models, args.fold)
+    _, names = fold_names(meta, fold)
+    if not names:
+        raise StepError(f"artifact 'dataset' at {args.dataset}: fold {fold} has no held-out case")
+    size = window(meta["patch_size"], multiple)
+    slices, per_case = RegionSlices(), {}
+    for case in open_cases(args.dataset, meta, names):
+        prediction = segment(sessions, case.image, size, len(labels), args.overlap,
+                             args.mirroring)
+        truth = np.asarray(case.label)
+        per_case[case.name] = metrics.case_metrics(prediction, truth, case.spacing)
+        slices.add(case.name, case.image, truth, prediction)
+    inference = {"window": list(size), "overlap": args.overlap, "blend": "gaussian, sigma 1/8",
+                 "mirroring": args.mirroring}
+    result = summary(per_case, fold, inference, models, manifest_digest(args.dataset))
+    recorded = {"fold": fold, "overlap": args.overlap, "mirroring": args.mirroring}
+    with publish(args.evaluation, "evaluation", STEP, recorded) as out:
+        (out / RESULT_FILE).write_text(json.dumps(result, indent=1) + "\n")
+        plot_overlays(slices.samples(), out / OVERLAYS_FILE)
+        (out / PAGE_FILE).write_text(page(result))
+        dice = result["mean"]["dice"]
+        write_outputs(out, STEP, {f"dice_{r.lower()}": f"{dice[r]:.4f}" for r in metrics.REGIONS})
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    limits.set_threads()
+    start = time.perf_counter()
+    result = evaluate(args)
+    dice = result["mean"]["dice"]
+    print(f"evaluate: fold {result['fold']}, {len(result['cases'])} cases, Dice WT "
+          f"{dice['WT']:.4f} TC {dice['TC']:.4f} ET {dice['ET']:.4f}, "
+          f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))

@@ -1,0 +1,199 @@
+"""steps.evaluate: whole-volume inference by sliding window and mirroring, the figures of the
+held-out cases, and what it refuses.
+
+The models here are ONNX graphs written by hand, so that the right answer is known without
+training: an oracle that reads the label from the image (every figure perfect, whatever the
+windows and the flips), and a 3x3 convolution with an asymmetric kernel, whose mirrored
+prediction is the mean over the four mirrored kernels, computed here with numpy alone.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from steps import evaluate, metrics, predict
+from steps.artifacts import publish, require
+from steps.dataset import open_cases, read_metadata
+from train_data import make_dataset, run_step
+
+N_CLASSES = 4
+MULTIPLE = 16
+
+
+def model_file(path, nodes, initializers, channels, labels, inputs=("image",)) -> None:
+    """An exported-model-like ONNX file: input ``image`` (N, C, H, W), output ``logits``
+    (N, 4, H, W), and convert's metadata contract."""
+    graph = helper.make_graph(
+        nodes, "hand-written",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", len(channels), "H", "W"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", N_CLASSES, "H", "W"])],
+        [numpy_helper.from_array(np.asarray(v), name=k) for k, v in initializers.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    contract = {"channels": channels, "size_multiple": MULTIPLE, "mode": "default"}
+    helper.set_model_props(model, {"preprocessing": json.dumps(contract),
+                                   "labels": json.dumps(labels)})
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+
+
+def oracle(path, channels, labels) -> None:
+    """logits_k = -(x_0 - k)^2: the argmax is the label written into channel 0."""
+    model_file(path, [
+        helper.make_node("Slice", ["image", "c0", "c1", "axis"], ["x0"]),
+        helper.make_node("Sub", ["x0", "classes"], ["d"]),
+        helper.make_node("Mul", ["d", "d"], ["d2"]),
+        helper.make_node("Neg", ["d2"], ["logits"])],
+        {"c0": np.array([0]), "c1": np.array([1]), "axis": np.array([1]),
+         "classes": np.arange(N_CLASSES, dtype=np.float32).reshape(1, -1, 1, 1)},
+        channels, labels)
+
+
+KERNEL = np.array([[0.0, 0.2, 1.0], [0.1, 0.5, 2.0], [0.0, 0.0, 0.3]], dtype=np.float32)
+
+
+def asymmetric(path, channels, labels) -> None:
+    """logits_k = k * conv3x3(x_0, KERNEL) (zero padding): not symmetric under any flip."""
+    weight = (np.arange(N_CLASSES, dtype=np.float32).reshape(-1, 1, 1, 1)
+              * KERNEL.reshape(1, 1, 3, 3))
+    weight = np.concatenate([weight, np.zeros((N_CLASSES, len(channels) - 1, 3, 3),
+                                              dtype=np.float32)], axis=1)
+    model_file(path, [helper.make_node("Conv", ["image", "w"], ["logits"], pads=[1, 1, 1, 1])],
+               {"w": weight}, channels, labels)
+
+
+def exported(folder, write_model, meta, fold: int):
+    """An ``exported`` artifact around a hand-written model, with a model card of ``fold``."""
+    with publish(folder, "exported", "convert", {}) as out:
+        write_model(out / predict.ONNX_FILE, meta["channels"], dict(meta["labels"]))
+        card = {"format_version": 1, "size_multiple": MULTIPLE,
+                "training": {"config": {"fold": fold}}}
+        (out / predict.CARD_FILE).write_text(json.dumps(card))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory):
+    """A real dataset (synthetic source, preprocess) rewritten so that each image's channel 0
+    is its label: the oracle then predicts every voxel right."""
+    root = tmp_path_factory.mktemp("evaluate")
+    source = make_dataset(root / "made", cases=6, shape="40x36x12", seed=3, patch="32x32")
+    meta = read_metadata(source)
+    with publish(root / "dataset", "dataset", "preprocess", {}) as out:
+        shutil.copytree(source / "cases", out / "cases")
+        (out / "dataset.json").write_text(json.dumps(meta))
+        for case in meta["cases"]:
+            image = np.load(out / case["image"])
+            image[0] = np.load(out / case["label"])
+            np.save(out / case["image"], image)
+    return root / "dataset", meta
+
+
+def test_an_oracle_scores_perfectly_through_windows_and_mirrors(labelled, tmp_path):
+    dataset, meta = labelled
+    model = exported(tmp_path / "exported", oracle, meta, fold=1)
+    done = run_step("evaluate", "--exported", str(model), "--dataset", str(dataset),
+                    "--evaluation", str(tmp_path / "evaluation"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    require(tmp_path / "evaluation", "evaluation")
+    result = json.loads((tmp_path / "evaluation" / evaluate.RESULT_FILE).read_text())
+    assert result["fold"] == 1
+    assert sorted(result["cases"]) == sorted(meta["folds"][1]["val"])
+    assert result["inference"] == {"window": [32, 32], "overlap": 0.5,
+                                   "blend": "gaussian, sigma 1/8", "mirroring": True}
+    outputs = tmp_path / "evaluation" / "argo-outputs"
+    assert {f.name: f.read_text() for f in outputs.iterdir()} == \
+        {"dice_wt": "1.0000\n", "dice_tc": "1.0000\n", "dice_et": "1.0000\n"}
+    for figures in result["cases"].values():
+        assert set(figures["dice"].values()) == {1.0}
+        assert set(figures["hd95"].values()) == {0.0}
+    page = (tmp_path / "evaluation" / evaluate.PAGE_FILE).read_text()
+    assert page.index("<table>") < page.index("<h2>")          # the table first
+    assert "<th>mean</th>" + "<td>1.0000</td>" * 6 + "<td>0.0000</td>" * 3 in page
+    assert (tmp_path / "evaluation" / evaluate.OVERLAYS_FILE).stat().st_size > 1000
+
+
+def test_the_window_slides_over_slices_larger_than_it(labelled, tmp_path):
+    """Windows of 16 over slices of 32 or more (several a slice, Gaussian-blended) give the
+    truth's labels; so does one window larger than the slice (padded with the background)."""
+    dataset, meta = labelled
+    session = predict.open_session(exported(tmp_path / "e", oracle, meta, 0)
+                                   / predict.ONNX_FILE)
+    case = open_cases(dataset, meta, [meta["cases"][0]["name"]])[0]
+    truth = np.asarray(case.label)
+    assert min(truth.shape[1:]) >= 32 and truth.any()
+    for size in ((16, 16), (48, 48)):
+        labels = evaluate.segment([session], case.image, size, N_CLASSES)
+        assert np.array_equal(labels, truth), size
+
+
+def reference_mirrored(x: np.ndarray) -> np.ndarray:
+    """The mean softmax over the four mirrorings of the asymmetric model, by numpy: a model
+    run on a flipped input and flipped back is the convolution with the flipped kernel."""
+    x0 = np.pad(x[:, 0], ((0, 0), (1, 1), (1, 1)))
+    total = 0
+    for kernel in (KERNEL, KERNEL[:, ::-1], KERNEL[::-1, :], KERNEL[::-1, ::-1]):
+        conv = sum(kernel[i, j] * x0[:, i:i + x.shape[2], j:j + x.shape[3]]
+                   for i in range(3) for j in range(3))
+        logits = np.arange(N_CLASSES).reshape(1, -1, 1, 1) * conv[:, None]
+        total = total + evaluate.softmax(logits)
+    return total / 4
+
+
+def test_mirroring_averages_each_flips_softmax_flipped_back(labelled, tmp_path):
+    dataset, meta = labelled
+    session = predict.open_session(exported(tmp_path / "e", asymmetric, meta, 0)
+                                   / predict.ONNX_FILE)
+    x = np.random.default_rng(0).normal(size=(3, len(meta["channels"]), 16, 32)) \
+        .astype(np.float32)
+    mirrored = evaluate.window_softmax([session], x, N_CLASSES, mirroring=True)
+    np.testing.assert_allclose(mirrored, reference_mirrored(x), atol=1e-5)
+    once = evaluate.window_softmax([session], x, N_CLASSES, mirroring=False)
+    assert np.abs(once - mirrored).max() > 0.05        # the flips do change this model's answer
+    both = evaluate.window_softmax([session, session], x, N_CLASSES, mirroring=False)
+    np.testing.assert_allclose(both, once, atol=1e-6)  # an ensemble's mean of one model twice
+
+
+def test_an_ensemble_is_evaluated_on_the_fold_given(labelled, tmp_path):
+    dataset, meta = labelled
+    models = [exported(tmp_path / f"fold{k}", oracle, meta, k) for k in (0, 1)]
+    done = run_step("evaluate", "--exported", str(models[0]), "--with-exported", str(models[1]),
+                    "--dataset", str(dataset), "--fold", "2", "--mirroring", "false",
+                    "--evaluation", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((tmp_path / "out" / evaluate.RESULT_FILE).read_text())
+    assert [m["fold"] for m in result["models"]] == [0, 1]
+    assert result["fold"] == 2 and result["inference"]["mirroring"] is False
+    assert result["mean"]["dice"] == {k: 1.0 for k in result["mean"]["dice"]}
+
+
+@pytest.mark.parametrize("extra, says", [
+    (("--fold", "0"), "--fold 0: the model in"),
+    (("--overlap", "0.95"), "python -m steps.evaluate: argument --overlap: must be <= 0.9"),
+])
+def test_refusals_are_one_line_and_leave_nothing(labelled, tmp_path, extra, says):
+    dataset, meta = labelled
+    model = exported(tmp_path / "exported", oracle, meta, fold=1)
+    out = tmp_path / "evaluation"
+    done = run_step("evaluate", "--exported", str(model), "--dataset", str(dataset),
+                    "--evaluation", str(out), *extra)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(f"error: {says}"), done.stderr
+    assert "Traceback" not in done.stderr and not out.exists()
+
+
+def test_the_mean_rows_are_ours_and_nnunets():
+    """A case lacking enhancing tumour in truth and prediction: ours counts its Dice 1, nnU-Net's
+    mean leaves it out."""
+    truth = np.zeros((4, 8, 8), dtype=np.uint8)
+    truth[1:3, 2:6, 2:6] = 1
+    lacking = metrics.case_metrics(truth, truth)
+    other = truth.copy()
+    other[2, 3, 3] = 3
+    having = metrics.case_metrics(np.where(other == 3, 1, other).astype(np.uint8), other)
+    result = evaluate.summary({"a": lacking, "b": having}, 0, {}, [], "")
+    assert result["mean"]["dice"]["ET"] == 0.5 and result["mean_nnunet"]["dice"]["ET"] == 0.0
