@@ -145,11 +145,13 @@ class RegionSlices:
 
 def summary(per_case: dict[str, dict], fold: int, inference: dict[str, Any],
             models: list[dict[str, Any]], dataset: str) -> dict[str, Any]:
-    """``evaluation.json``: the fold, how it was inferred, each model's provenance, each
-    case's figures, their mean (``mean``: ours, both-empty counted as 1 and 0 mm;
+    """``evaluation.json``: the fold, how it was inferred, each model's folds and provenance,
+    how many of those folds' models trained on these cases, each case's figures, their mean (``mean``: ours, both-empty counted as 1 and 0 mm;
     ``mean_nnunet``: both-empty left out)."""
+    trained_on_by = sum(f != fold for m in models for f in m["folds"])
     return {"format_version": FORMAT_VERSION, "fold": fold, "inference": inference,
-            "models": models, "dataset_manifest_sha256": dataset, "cases": per_case,
+            "models": models, "trained_on_by": trained_on_by,
+            "dataset_manifest_sha256": dataset, "cases": per_case,
             "mean": metrics.mean_over_cases(per_case.values()),
             "mean_nnunet": metrics.mean_over_cases(per_case.values(), empty_both="skip")}
 
@@ -172,7 +174,7 @@ def page(result: dict[str, Any]) -> str:
     means = line("mean", result["mean"]) + line("mean, nnU-Net's (both-empty left out)",
                                                  result["mean_nnunet"])
     cases = "".join(line(name, figures) for name, figures in result["cases"].items())
-    folds = ", ".join(str(m["fold"]) for m in result["models"])
+    folds = ", ".join(str(f) for m in result["models"] for f in m["folds"])
     mirrors = "on" if result["inference"]["mirroring"] else "off"
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>U-Net evaluation, fold {result['fold']}</title>
@@ -181,7 +183,8 @@ td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}</style></head><b
 <h1>Fold {result['fold']}: {len(result['cases'])} held-out cases, whole volumes</h1>
 <table><tr><th></th>{head}</tr>
 {means}</table>
-<p>Models of folds {folds}; sliding window {result['inference']['window']} with overlap
+<p>Models of folds {folds} ({result['trained_on_by']} of them trained on these cases);
+sliding window {result['inference']['window']} with overlap
 {result['inference']['overlap']}, Gaussian blending, mirroring {mirrors}. Regions in Task01's
 labels: WT = 1+2+3, TC = 2+3, ET = 3. Both empty: Dice 1, HD95 0; one empty: Dice 0, HD95
 {metrics.EMPTY_HD95_MM:.2f} mm.</p>
@@ -209,25 +212,27 @@ def open_models(folders: list[Path], labels: dict[str, str]) -> tuple[list, list
                             f"are not the dataset's {labels}")
         sessions.append(session)
         multiples.add(int(contract["size_multiple"]))
-        models.append({"fold": card["training"]["config"]["fold"],
-                       "exported_manifest_sha256": manifest_digest(folder)})
+        folds = card.get("folds") or [card.get("training", {}).get("config", {}).get("fold", 0)]
+        models.append({"folds": folds, "exported_manifest_sha256": manifest_digest(folder)})
     if len(multiples) != 1:
         raise StepError(f"--exported: the models need different size multiples {multiples}")
     return sessions, models, multiples.pop()
 
 
 def held_out(folders: list[Path], models: list[dict], fold: int | None) -> int:
-    """The fold to evaluate on: ``--fold``, else the one model's; one model's held-out cases
-    were never trained on only if the fold is its own."""
+    """The fold to evaluate on: ``--fold``, else the one model's own. A single model is held
+    to its own fold, whose cases it never trained on; an ensemble (several models, or one of
+    steps.ensemble) needs ``--fold``, and the result says how many of its members trained on
+    those cases (``trained_on_by``)."""
+    single = len(models) == 1 and len(models[0]["folds"]) == 1
     if fold is None:
-        if len(models) > 1:
-            raise StepError("--fold is needed with several --exported models")
-        return models[0]["fold"]
-    for folder, model in zip(folders, models):
-        if len(models) == 1 and model["fold"] != fold:
-            raise StepError(f"--fold {fold}: the model in {folder} was trained with fold "
-                            f"{model['fold']} held out; fold {fold}'s cases are in its "
-                            "training set")
+        if not single:
+            raise StepError("--fold is needed with an ensemble of models")
+        return models[0]["folds"][0]
+    if single and models[0]["folds"][0] != fold:
+        raise StepError(f"--fold {fold}: the model in {folders[0]} was trained with fold "
+                        f"{models[0]['folds'][0]} held out; fold {fold}'s cases are in its "
+                        "training set")
     return fold
 
 

@@ -331,10 +331,12 @@ class ModelCardTraining(Schema):
 
 
 class ModelCard(Schema):
-    """``model-card.json`` of the ``exported`` artifact, as far as quantize reads it."""
+    """``model-card.json`` of the ``exported`` artifact, as far as quantize and evaluate read
+    it; ``folds``: an ensemble's (steps.ensemble), whose training held no fold out."""
     format_version: Literal[1] = 1
     size_multiple: int = Field(ge=1, le=1024)
     training: ModelCardTraining = ModelCardTraining()
+    folds: list[Fold] | None = Field(None, min_length=2, max_length=N_FOLDS)
 
 
 class CacheMark(Schema):

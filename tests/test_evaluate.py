@@ -1,5 +1,5 @@
 """steps.evaluate: whole-volume inference by sliding window and mirroring, the figures of the
-held-out cases, and what it refuses.
+held-out cases, and what it refuses; steps.ensemble: the folds' mean softmax as one graph.
 
 The models here are ONNX graphs written by hand, so that the right answer is known without
 training: an oracle that reads the label from the image (every figure perfect, whatever the
@@ -166,8 +166,8 @@ def test_an_ensemble_is_evaluated_on_the_fold_given(labelled, tmp_path):
                     "--evaluation", str(tmp_path / "out"))
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads((tmp_path / "out" / evaluate.RESULT_FILE).read_text())
-    assert [m["fold"] for m in result["models"]] == [0, 1]
-    assert result["fold"] == 2 and result["inference"]["mirroring"] is False
+    assert [m["folds"] for m in result["models"]] == [[0], [1]]
+    assert result["trained_on_by"] == 2 and result["fold"] == 2 and result["inference"]["mirroring"] is False
     assert result["mean"]["dice"] == {k: 1.0 for k in result["mean"]["dice"]}
 
 
@@ -197,3 +197,46 @@ def test_the_mean_rows_are_ours_and_nnunets():
     having = metrics.case_metrics(np.where(other == 3, 1, other).astype(np.uint8), other)
     result = evaluate.summary({"a": lacking, "b": having}, 0, {}, [], "")
     assert result["mean"]["dice"]["ET"] == 0.5 and result["mean_nnunet"]["dice"]["ET"] == 0.0
+
+
+# ------------------------------------------------------------------------- the ensemble
+
+def test_the_ensemble_is_one_graph_of_the_folds_mean_softmax(labelled, tmp_path):
+    """steps.ensemble merges two different models (of folds 0 and 1): the softmax of its
+    ``logits`` is the mean of theirs within 1e-4 (on slices it was not checked on), its card
+    lists the folds, and evaluate takes it as an ``exported`` artifact, on a fold it names."""
+    dataset, meta = labelled
+    folds = [exported(tmp_path / "f0", oracle, meta, 0),
+             exported(tmp_path / "f1", asymmetric, meta, 1)]
+    out = tmp_path / "ensemble"
+    done = run_step("ensemble", "--exported", str(folds[0]), "--with-exported", str(folds[1]),
+                    "--dataset", str(dataset), "--ensemble", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    require(out, "exported")
+    card = predict.read_card(out)
+    assert card["folds"] == [0, 1] and card["parity"]["passed"] is True
+    assert card["parity"]["max_abs_softmax_diff"] <= 1e-4
+    sessions = [predict.open_session(f / predict.ONNX_FILE) for f in (*folds, out)]
+    x = np.random.default_rng(1).normal(size=(2, len(meta["channels"]), 32, 48)) \
+        .astype(np.float32)
+    mean = evaluate.window_softmax(sessions[:2], x, N_CLASSES, mirroring=False)
+    got = evaluate.window_softmax(sessions[2:], x, N_CLASSES, mirroring=False)
+    assert np.abs(got - mean).max() <= 1e-4
+    assert np.abs(mean - evaluate.window_softmax(sessions[:1], x, N_CLASSES, False)).max() > 0.05
+    refused = run_step("evaluate", "--exported", str(out), "--dataset", str(dataset),
+                       "--evaluation", str(tmp_path / "no"))
+    assert refused.returncode == 2 and "--fold is needed" in refused.stderr
+    done = run_step("evaluate", "--exported", str(out), "--dataset", str(dataset), "--fold", "2",
+                    "--evaluation", str(tmp_path / "scored"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((tmp_path / "scored" / evaluate.RESULT_FILE).read_text())
+    assert result["models"][0]["folds"] == [0, 1] and result["trained_on_by"] == 2
+
+
+def test_an_ensemble_takes_one_model_per_fold(labelled, tmp_path):
+    dataset, meta = labelled
+    folds = [exported(tmp_path / f"f{k}", oracle, meta, 0) for k in (0, 1)]
+    done = run_step("ensemble", "--exported", str(folds[0]), "--with-exported", str(folds[1]),
+                    "--dataset", str(dataset), "--ensemble", str(tmp_path / "out"))
+    assert done.returncode == 2 and "hold out folds [0, 0]" in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
