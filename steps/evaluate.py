@@ -3,6 +3,7 @@ validates a fold (and, given the five folds' models, predicts with their ensembl
 
     python -m steps.evaluate --exported DIR --dataset DIR --evaluation DIR
         [--overlap 0.5] [--mirroring true|false] [--with-exported DIR ... --fold K]
+    python -m steps.evaluate pool --evaluation DIR [DIR ...] --pooled DIR
 
 Each held-out case of the ``dataset`` artifact, image (C, D, H, W) and label (D, H, W), is
 segmented one axial slice (C, H, W) at a time, as the 2D network was trained:
@@ -22,6 +23,9 @@ per case and averaged over cases, with nnU-Net's mean beside ours (it leaves out
 where a label is absent from both truth and prediction). The output artifact ``evaluation``
 holds ``evaluation.json`` (:func:`summary`'s keys) and ``evaluation.html``, which opens with
 the table and shows, per region, the held-out slice with the most of it: truth and prediction.
+``pool`` joins the folds' evaluations (each fold scored by its own model) into the
+cross-validation table: ``pooled.json`` and ``pooled.html``, the means over every held-out
+case first, then each fold's.
 """
 from __future__ import annotations
 
@@ -31,21 +35,23 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
 from monai.inferers import sliding_window_inference
 
-from steps import limits, metrics, params, predict
+from steps import limits, metrics, params, predict, schemas
 from steps.artifacts import check_disjoint, manifest_digest, publish, require, write_outputs
 from steps.dataset import fold_names, open_cases, read_metadata
-from steps.errors import StepError, run_main
+from steps.errors import OneLineArgumentParser, StepError, run_main
 from steps.report import plot_overlays
 
 STEP = "evaluate"
 RESULT_FILE = "evaluation.json"
 PAGE_FILE = "evaluation.html"
+POOLED_FILE = "pooled.json"
+POOLED_PAGE = "pooled.html"
 OVERLAYS_FILE = "overlays.png"
 FORMAT_VERSION = 1
 SIGMA_SCALE = 0.125      # nnU-Net's Gaussian: sigma = patch / 8
@@ -143,58 +149,143 @@ class RegionSlices:
         return [self.best[r][1] for r in metrics.REGIONS if r in self.best]
 
 
+def means(cases: Iterable[dict]) -> dict[str, dict]:
+    """Ours (``mean``: both-empty counted as Dice 1 and 0 mm) and nnU-Net's (``mean_nnunet``:
+    both-empty left out; None where no case is left) over the cases' figures."""
+    cases = list(cases)
+    nnunet = metrics.mean_over_cases(cases, empty_both="skip")
+    return {"mean": metrics.mean_over_cases(cases),
+            "mean_nnunet": {m: {k: None if v != v else v for k, v in table.items()}
+                            for m, table in nnunet.items()}}
+
+
 def summary(per_case: dict[str, dict], fold: int, inference: dict[str, Any],
             models: list[dict[str, Any]], dataset: str) -> dict[str, Any]:
-    """``evaluation.json``: the fold, how it was inferred, each model's folds and provenance,
-    how many of those folds' models trained on these cases, each case's figures, their mean (``mean``: ours, both-empty counted as 1 and 0 mm;
-    ``mean_nnunet``: both-empty left out)."""
+    """``evaluation.json`` (schemas.Evaluation): the fold, how it was inferred, each model's
+    folds and provenance, how many of those folds' models trained on these cases, each
+    case's figures and their :func:`means`."""
     trained_on_by = sum(f != fold for m in models for f in m["folds"])
     return {"format_version": FORMAT_VERSION, "fold": fold, "inference": inference,
             "models": models, "trained_on_by": trained_on_by,
             "dataset_manifest_sha256": dataset, "cases": per_case,
-            "mean": metrics.mean_over_cases(per_case.values()),
-            "mean_nnunet": metrics.mean_over_cases(per_case.values(), empty_both="skip")}
+            **means(per_case.values())}
 
 
-def _cell(value: float) -> str:
-    return "–" if value != value else f"{value:.4f}"       # NaN: no case to average
+ROWS = [("dice", name) for name in (*metrics.REGIONS, *metrics.LABELS.values())] + \
+       [("hd95", name) for name in metrics.REGIONS]
+STYLE = ("body{font-family:sans-serif;margin:2em} table{border-collapse:collapse} "
+         "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}")
+EMPTY_RULE = (f"Regions in Task01's labels: WT = 1+2+3, TC = 2+3, ET = 3. Both empty: Dice 1, "
+              f"HD95 0; one empty: Dice 0, HD95 {metrics.EMPTY_HD95_MM:.2f} mm.")
+
+
+def table(lines: list[tuple[str, dict[str, dict]]]) -> str:
+    """An HTML table: one row per (title, figures), one column per figure of ROWS."""
+    head = "".join(f"<th>{'HD95 mm' if m == 'hd95' else 'Dice'} {html.escape(n)}</th>"
+                   for m, n in ROWS)
+    rows = "".join(
+        f"<tr><th>{html.escape(title)}</th>" + "".join(
+            f"<td>{'–' if figures[m][n] is None else f'{figures[m][n]:.4f}'}</td>"
+            for m, n in ROWS) + "</tr>\n" for title, figures in lines)
+    return f"<table><tr><th></th>{head}</tr>\n{rows}</table>"
+
+
+def mean_lines(result: dict[str, Any]) -> list[tuple[str, dict]]:
+    return [("mean", result["mean"]),
+            ("mean, nnU-Net's (both-empty left out)", result["mean_nnunet"])]
+
+
+def html_page(title: str, body: str) -> str:
+    return (f'<!doctype html>\n<html><head><meta charset="utf-8"><title>{html.escape(title)}'
+            f"</title>\n<style>{STYLE}</style></head><body>\n{body}\n</body></html>\n")
 
 
 def page(result: dict[str, Any]) -> str:
     """``evaluation.html``: the table first (mean over the held-out cases), then the cases."""
-    rows = [("Dice", name) for name in (*metrics.REGIONS, *metrics.LABELS.values())] + \
-           [("hd95", name) for name in metrics.REGIONS]
-    head = "".join(f"<th>{'HD95 mm' if m == 'hd95' else 'Dice'} {html.escape(n)}</th>"
-                   for m, n in rows)
-
-    def line(title: str, figures: dict[str, dict]) -> str:
-        cells = "".join(f"<td>{_cell(figures[m.lower()][n])}</td>" for m, n in rows)
-        return f"<tr><th>{html.escape(title)}</th>{cells}</tr>"
-
-    means = line("mean", result["mean"]) + line("mean, nnU-Net's (both-empty left out)",
-                                                 result["mean_nnunet"])
-    cases = "".join(line(name, figures) for name, figures in result["cases"].items())
     folds = ", ".join(str(f) for m in result["models"] for f in m["folds"])
-    mirrors = "on" if result["inference"]["mirroring"] else "off"
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>U-Net evaluation, fold {result['fold']}</title>
-<style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}</style></head><body>
+    inference = result["inference"]
+    return html_page(f"U-Net evaluation, fold {result['fold']}", f"""\
 <h1>Fold {result['fold']}: {len(result['cases'])} held-out cases, whole volumes</h1>
-<table><tr><th></th>{head}</tr>
-{means}</table>
+{table(mean_lines(result))}
 <p>Models of folds {folds} ({result['trained_on_by']} of them trained on these cases);
-sliding window {result['inference']['window']} with overlap
-{result['inference']['overlap']}, Gaussian blending, mirroring {mirrors}. Regions in Task01's
-labels: WT = 1+2+3, TC = 2+3, ET = 3. Both empty: Dice 1, HD95 0; one empty: Dice 0, HD95
-{metrics.EMPTY_HD95_MM:.2f} mm.</p>
+sliding window {inference['window']} with overlap {inference['overlap']}, Gaussian blending,
+mirroring {"on" if inference['mirroring'] else "off"}. {EMPTY_RULE}</p>
 <h2>Per region, the held-out slice with the most of it (left truth, right prediction)</h2>
 <img src="{OVERLAYS_FILE}" alt="truth and prediction per region">
 <h2>Cases</h2>
-<table><tr><th></th>{head}</tr>
-{cases}</table>
-</body></html>
-"""
+{table(list(result['cases'].items()))}""")
+
+
+# ------------------------------------------------------------------------------ the pool
+
+def read_result(folder: Path) -> dict[str, Any]:
+    """An ``evaluation`` artifact's ``evaluation.json``, checked against schemas.Evaluation."""
+    require(folder, "evaluation")
+    where = f"artifact 'evaluation' at {folder}: {RESULT_FILE}"
+    result = schemas.read_json(folder / RESULT_FILE, where)
+    schemas.validate(schemas.Evaluation, result, where)
+    return result
+
+
+def pooled(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The folds' held-out cases pooled, as nnU-Net's cross-validation summary: each fold
+    scored by its own model (``trained_on_by`` 0), no fold twice, no case in two folds; the
+    means over every case, and each fold's own."""
+    folds = [r["fold"] for r in results]
+    if len(set(folds)) != len(folds):
+        raise StepError(f"--evaluation: folds {folds}: a fold is given twice")
+    seen = [r["fold"] for r in results if r["trained_on_by"]]
+    if seen:
+        raise StepError(f"--evaluation: fold {seen[0]} was scored by models that trained on its "
+                        "cases; the pool takes each fold scored by its own model")
+    cases: dict[str, dict] = {}
+    for result in results:
+        for name, figures in result["cases"].items():
+            if name in cases:
+                raise StepError(f"--evaluation: case '{name}' is held out by two folds")
+            cases[name] = figures
+    names = {m: sorted(next(iter(cases.values()))[m]) for m in ("dice", "hd95")}
+    odd = next((n for n, f in cases.items() if {m: sorted(f[m]) for m in names} != names), None)
+    if odd:
+        raise StepError(f"--evaluation: case '{odd}' has other figures than the rest "
+                        f"({names})")
+    return {"format_version": FORMAT_VERSION, "folds": folds, "cases": cases,
+            "per_fold": {str(r["fold"]): {"cases": len(r["cases"]), "mean": r["mean"]}
+                         for r in results}, **means(cases.values())}
+
+
+def pooled_page(result: dict[str, Any]) -> str:
+    per_fold = [(f"fold {k}, {v['cases']} cases", v["mean"])
+                for k, v in result["per_fold"].items()]
+    return html_page("U-Net cross-validation", f"""\
+<h1>{len(result['folds'])} folds pooled: {len(result['cases'])} held-out cases, whole volumes</h1>
+{table(mean_lines(result))}
+<p>Each fold's cases scored by the model that held it out. {EMPTY_RULE}</p>
+<h2>Folds (our mean)</h2>
+{table(per_fold)}
+<h2>Cases</h2>
+{table(list(result['cases'].items()))}""")
+
+
+def pool_main(argv: Sequence[str]) -> int:
+    p = OneLineArgumentParser(prog="python -m steps.evaluate pool",
+                              description="The folds' evaluations pooled into one table.")
+    p.add_argument("--evaluation", required=True, type=Path, nargs="+", metavar="DIR",
+                   help="each fold's `evaluation` artifact")
+    p.add_argument("--pooled", required=True, type=Path, metavar="DIR",
+                   help="output artifact directory (absent or empty): pooled.json and "
+                        "pooled.html")
+    args = p.parse_args(argv)
+    check_disjoint({"--pooled": args.pooled},
+                   {f"--evaluation {e}": e for e in args.evaluation})
+    result = pooled([read_result(folder) for folder in args.evaluation])
+    with publish(args.pooled, "pooled-evaluation", STEP, {"folds": result["folds"]}) as out:
+        (out / POOLED_FILE).write_text(json.dumps(result, indent=1) + "\n")
+        (out / POOLED_PAGE).write_text(pooled_page(result))
+    dice = result["mean"]["dice"]
+    print(f"evaluate pool: folds {result['folds']}, {len(result['cases'])} cases, Dice WT "
+          f"{dice['WT']:.4f} TC {dice['TC']:.4f} ET {dice['ET']:.4f}", file=sys.stderr)
+    return 0
 
 
 def open_models(folders: list[Path], labels: dict[str, str]) -> tuple[list, list, int]:
@@ -279,6 +370,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["pool"]:
+        return pool_main(argv[1:])
     args = build_parser().parse_args(argv)
     limits.set_threads()
     start = time.perf_counter()

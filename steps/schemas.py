@@ -15,7 +15,8 @@ Formats and their readers:
 - the ``dataset`` artifact's ``dataset.json``: :class:`Dataset` (``dataset.read_metadata``
   for train, convert and quantize; preprocess before publishing);
 - the ONNX model's metadata: :class:`Contract` (predict);
-- ``model-card.json``: :class:`ModelCard` (quantize);
+- ``model-card.json``: :class:`ModelCard` (quantize, evaluate, ensemble);
+- the ``evaluation`` artifact's ``evaluation.json``: :class:`Evaluation` (evaluate's pool);
 - ``best.pt``/``last.pt``: :class:`ModelCheckpoint` (convert);
 - ``ckpt-*.pt`` and ``best-epoch*.pt``: :class:`TrainCheckpoint`, :class:`BestWeights`
   (train, on resume);
@@ -337,6 +338,29 @@ class ModelCard(Schema):
     size_multiple: int = Field(ge=1, le=1024)
     training: ModelCardTraining = ModelCardTraining()
     folds: list[Fold] | None = Field(None, min_length=2, max_length=N_FOLDS)
+
+
+class CaseFigures(Schema):
+    dice: dict[str, Finite]
+    hd95: dict[str, Finite]
+    empty: list[str]
+
+
+class Means(Schema):
+    """Means over cases; None where no case is left (nnU-Net's mean of a label no case has)."""
+    dice: dict[str, Finite | None]
+    hd95: dict[str, Finite | None]
+
+
+class Evaluation(Schema):
+    """``evaluation.json`` of the ``evaluation`` artifact (``steps.evaluate.summary``), as
+    far as the pool of the folds' evaluations reads it."""
+    format_version: Literal[1]
+    fold: Fold
+    trained_on_by: Count
+    cases: dict[str, CaseFigures] = Field(min_length=1)
+    mean: Means
+    mean_nnunet: Means
 
 
 class CacheMark(Schema):

@@ -199,6 +199,49 @@ def test_the_mean_rows_are_ours_and_nnunets():
     assert result["mean"]["dice"]["ET"] == 0.5 and result["mean_nnunet"]["dice"]["ET"] == 0.0
 
 
+def evaluated(tmp_path, dataset, meta, fold: int):
+    """Fold ``fold``'s evaluation by the oracle of that fold, without mirroring."""
+    model = exported(tmp_path / f"model{fold}", oracle, meta, fold)
+    out = tmp_path / f"evaluation{fold}"
+    done = run_step("evaluate", "--exported", str(model), "--dataset", str(dataset),
+                    "--mirroring", "false", "--evaluation", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out
+
+
+def test_the_pool_joins_the_folds_held_out_cases(labelled, tmp_path):
+    """Two folds' evaluations pooled: every held-out case once, the means over all of them
+    first on the page, each fold's below; a fold given twice or scored by models that trained
+    on it is refused (one line, exit 2, nothing written)."""
+    dataset, meta = labelled
+    folds = [evaluated(tmp_path, dataset, meta, k) for k in (0, 1)]
+    done = run_step("evaluate", "pool", "--evaluation", *map(str, folds),
+                    "--pooled", str(tmp_path / "pooled"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    require(tmp_path / "pooled", "pooled-evaluation")
+    result = json.loads((tmp_path / "pooled" / evaluate.POOLED_FILE).read_text())
+    assert result["folds"] == [0, 1]
+    assert sorted(result["cases"]) == sorted(meta["folds"][0]["val"] + meta["folds"][1]["val"])
+    assert {k: v["cases"] for k, v in result["per_fold"].items()} == \
+        {str(k): len(meta["folds"][k]["val"]) for k in (0, 1)}
+    assert set(result["mean"]["dice"].values()) == {1.0}
+    html = (tmp_path / "pooled" / evaluate.POOLED_PAGE).read_text()
+    assert html.index("<th>mean</th>") < html.index("fold 0, ")
+
+    again = run_step("evaluate", "pool", "--evaluation", str(folds[0]), str(folds[0]),
+                     "--pooled", str(tmp_path / "twice"))
+    assert again.returncode == 2 and "a fold is given twice" in again.stderr
+    seen = json.loads((folds[1] / evaluate.RESULT_FILE).read_text())
+    seen["trained_on_by"] = 1
+    with publish(tmp_path / "seen", "evaluation", "evaluate", {}) as out:
+        (out / evaluate.RESULT_FILE).write_text(json.dumps(seen))
+    mixed = run_step("evaluate", "pool", "--evaluation", str(folds[0]), str(tmp_path / "seen"),
+                     "--pooled", str(tmp_path / "mixed"))
+    assert mixed.returncode == 2 and "fold 1 was scored by models that trained on its cases" \
+        in mixed.stderr, mixed.stderr
+    assert not (tmp_path / "twice").exists() and not (tmp_path / "mixed").exists()
+
+
 # ------------------------------------------------------------------------- the ensemble
 
 def test_the_ensemble_is_one_graph_of_the_folds_mean_softmax(labelled, tmp_path):

@@ -25,8 +25,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from steps import (convert, dataset, download, handoff, predict, preprocess, schemas,
-                   synthetic, train)
+from steps import (convert, dataset, download, evaluate, handoff, predict, preprocess,
+                   schemas, synthetic, train)
 from steps.artifacts import write_manifest
 from steps.checkpoints import CheckpointStore
 from steps.errors import run_main
@@ -149,6 +149,19 @@ def test_dataset_metadata_reader(data_dir, capsys, doc):
         dataset.open_cases(data_dir, meta, names[0] + names[1])
 
     ends_cleanly(capsys, read)
+
+
+@settings(**SETTINGS)
+@given(doc=st.data())
+def test_evaluation_reader_and_pool(tmp_path, capsys, doc):
+    figures = {"dice": {"WT": 0.5, "TC": 1.0}, "hd95": {"WT": 2.0}, "empty": ["TC"]}
+    good = {"format_version": 1, "fold": 2, "trained_on_by": 0,
+            "cases": {"BRATS_001": figures, "BRATS_002": figures},
+            "mean": {"dice": {"WT": 0.5}, "hd95": {"WT": 2.0}},
+            "mean_nnunet": {"dice": {"WT": 0.5, "TC": None}, "hd95": {"WT": 2.0}}}
+    (tmp_path / evaluate.RESULT_FILE).write_bytes(doc.draw(broken(good)))
+    write_manifest(tmp_path, "evaluation", "evaluate", {})
+    ends_cleanly(capsys, lambda: evaluate.pooled([evaluate.read_result(tmp_path)]))
 
 
 @settings(**SETTINGS)
