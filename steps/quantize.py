@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
 import sys
 import tempfile
@@ -280,6 +281,11 @@ def openvino_ir(fp32: Path, out: Path, calibration: Calibration, keep: list[str]
     the same convolutions kept float; (compiled model, versions), or None without
     openvino and nncf, or (None, why) when OpenVINO's CPU plugin cannot compile it here
     (the IR is then removed: it is optional)."""
+    # NNCF sends usage telemetry (openvino_telemetry, over HTTP) unless NNCF_CI or NNCF_DEV is
+    # set when it is imported (nncf 3.4 nncf/telemetry/wrapper.py; NNCF_CI does nothing else).
+    # A pod with no route out waits on that send's DNS lookups: on the test cluster, two
+    # attempts of quantize hung there until their 10 min deadline.
+    os.environ.setdefault("NNCF_CI", "1")
     try:  # optional (extra `openvino`): without them only the onnxruntime model is published
         import nncf
         import openvino as ov
