@@ -281,11 +281,12 @@ def openvino_ir(fp32: Path, out: Path, calibration: Calibration, keep: list[str]
     the same convolutions kept float; (compiled model, versions), or None without
     openvino and nncf, or (None, why) when OpenVINO's CPU plugin cannot compile it here
     (the IR is then removed: it is optional)."""
-    # NNCF sends usage telemetry (openvino_telemetry, over HTTP) unless NNCF_CI or NNCF_DEV is
-    # set when it is imported (nncf 3.4 nncf/telemetry/wrapper.py; NNCF_CI does nothing else).
-    # A pod with no route out waits on that send's DNS lookups: on the test cluster, two
-    # attempts of quantize hung there until their 10 min deadline.
-    os.environ.setdefault("NNCF_CI", "1")
+    # openvino_telemetry sends usage data over HTTP from NNCF (nncf 3.4 telemetry/wrapper.py,
+    # unless NNCF_CI is set) and from convert_model (openvino.tools.ovc telemetry_utils.py,
+    # unless a consent file in $HOME opts out). A pod has no route out: on the test cluster,
+    # quantize attempts hung on those sends' DNS lookups until their 10 min deadline. Both
+    # send nothing when the package cannot be imported, so this process never imports it.
+    sys.modules.setdefault("openvino_telemetry", None)
     try:  # optional (extra `openvino`): without them only the onnxruntime model is published
         import nncf
         import openvino as ov

@@ -8,6 +8,7 @@ inside this small model's run-to-run spread. The gate's logic is tested exactly 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from steps.artifacts import write_manifest
 from steps.dataset import fold_names, open_cases, read_metadata
 from steps.quantize import (CARD_FILE, INT8_FILE, OPENVINO_FILE, REPORT_FILE, calibration_set,
                             check_gate)
-from tests.train_data import REPO, assert_ok as _ok, exported_model, run_step
+from tests.train_data import REPO, assert_ok as _ok, exported_model, run_step, step_env
 
 pytestmark = pytest.mark.slow  # trains a model that segments, then quantizes it
 
@@ -61,11 +62,37 @@ def gate_flags(bounds: dict[str, float]) -> list[str]:
             for word in (declared[name].flag, declared[name].text(value))]
 
 
+# Loaded first by the step's interpreter (Python's site module imports sitecustomize from
+# the path): each host name it looks up is written down, and the lookup fails.
+NO_NETWORK = """
+import os, socket
+def _refuse(host, *args, **kwargs):
+    with open(os.environ["UNET_TEST_LOOKUPS"], "a") as log:
+        log.write(f"{host}\\n")
+    raise socket.gaierror(socket.EAI_NONAME, "no network in this test")
+socket.getaddrinfo = _refuse
+"""
+
+
 @pytest.fixture(scope="module")
 def quantized(exported):
-    out = exported / "quantized"
-    _ok(quantize(exported, exported / "dataset", out, *gate_flags(REAL_GATE)))
+    """The step as a pod runs it: without a network, and any host it would look up noted."""
+    out, site = exported / "quantized", exported / "no-network"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NO_NETWORK)
+    env = step_env(UNET_TEST_LOOKUPS=str(exported / "lookups.txt"))
+    env["PYTHONPATH"] = f"{site}{os.pathsep}{env['PYTHONPATH']}"
+    _ok(run_step("quantize", "--exported", str(exported / "exported"), "--dataset",
+                 str(exported / "dataset"), "--quantized", str(out), *gate_flags(REAL_GATE),
+                 env=env))
     return out
+
+
+def test_the_step_looks_up_no_host(exported, quantized):
+    """openvino_telemetry's sends (NNCF's, convert_model's) waited on DNS in pods until the
+    step's deadline; the step has nothing to look up."""
+    lookups = exported / "lookups.txt"
+    assert not lookups.exists(), lookups.read_text()
 
 
 def test_the_real_int8_model_holds_its_measured_bound(quantized):
