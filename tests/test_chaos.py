@@ -141,17 +141,22 @@ def s3_down_while(begun, what: str) -> str:
     return pod
 
 
-def retried_transfer_s(pod: str, container: str) -> float:
-    """How long the executor's ``container`` moved its artifacts (the init container's run,
-    or the wait container's from main's end), once it is seen to have met the stopped
-    server."""
+def transfer_across_outage(pod: str, container: str) -> dict:
+    """How the executor's ``container`` moved its artifacts across the stopped S3 server: its
+    seconds (the init container's run, or the wait container's from main's end) and the
+    refused connections Argo logged. The server was gone before the transfer began and back
+    S3_DOWN_S after (s3_down_while), so a transfer that succeeded waited the outage out: at
+    least S3_DOWN_S, less a second for the timestamps' resolution. Whether a refusal reaches
+    Argo's log varies: minio-go retries a failed request itself first, silently, and one load
+    in CI (2026-11-29) took 24.6 s with none logged."""
     log = kubectl("-n", NAMESPACE, "logs", pod, "-c", container)
-    assert transient_refusals(log), log[-2000:]
     states = {c["name"]: c["state"].get("terminated", {})
               for c in container_statuses(pod_status(pod))}
     began = states[container]["startedAt"] if container == "init" else states["main"]["finishedAt"]
-    return (datetime.fromisoformat(states[container]["finishedAt"]) -
-            datetime.fromisoformat(began)).total_seconds()
+    seconds = (datetime.fromisoformat(states[container]["finishedAt"]) -
+               datetime.fromisoformat(began)).total_seconds()
+    assert seconds >= S3_DOWN_S - 1, (seconds, log[-2000:])
+    return {"seconds": seconds, "refusals_logged": len(transient_refusals(log))}
 
 
 def phase(namespace: str, pod: str) -> str:
@@ -362,9 +367,12 @@ def test_a_train_pod_evicted_for_its_scratch_is_retried_and_resumes(argo, store,
     assert table["train"]["attempts"] == 2 and table["train"]["exit_codes"][-1] == 0, table
     first = next(n for n in wf["status"]["nodes"].values() if n["displayName"] == "train(0)")
     # Argo v4.0.5 takes a failed pod's message for its node's (operator.go inferFailedReason):
-    # Failed, which the retry policy Always retries (processNodeRetries)
-    assert first["phase"] == "Failed" and first["message"].strip() == status["message"].strip(), \
-        first
+    # Failed, which the retry policy Always retries (processNodeRetries). Once in CI
+    # (2026-11-29) the attempt was an Error instead: the controller marks a node whose pod it
+    # no longer sees "pod deleted" (operator.go podReconciliation), the race the host faults'
+    # case met too; retried all the same
+    assert (first["phase"], first["message"].strip()) in (
+        ("Failed", status["message"].strip()), ("Error", "pod deleted")), first
     assert f"resumed from s3://{BUCKET}/checkpoints/{name}/" in attempt_log(store, wf, "train", 1)
     one_pod_per_attempt(name)
     release.check(name, tmp_path, train_retried=True)
@@ -381,8 +389,8 @@ def test_the_s3_server_down_while_artifacts_move_then_the_train_pod_deleted_lose
     1. the S3 Deployment stopped for S3_DOWN_S and started again (on its persistent volume)
        twice, each time while Argo's executor moves an artifact: preprocess's upload of the
        dataset (its wait container, once main has ended), then train's load of it (its init
-       container). Each transfer meets the refused connection and retries until the server
-       is back; the bucket's objects outlive both restarts.
+       container). Each transfer waits the outage out (retried by minio-go, then by Argo's
+       executor) and succeeds; the bucket's objects outlive both restarts.
     2. ``kubectl delete pod`` on the running train, once its first checkpoint is in S3, as an
        operator or an autoscaler does: Argo marks the attempt an Error, "pod deleted" (v4.0.5
        workflow/controller/operator.go, podReconciliation), which the retry strategy's policy
@@ -408,7 +416,7 @@ def test_the_s3_server_down_while_artifacts_move_then_the_train_pod_deleted_lose
     train = running_train(store, name)
     assert train == loader
     # read before the loader's pod is deleted
-    transfers = {container: retried_transfer_s(pod, container)
+    transfers = {container: transfer_across_outage(pod, container)
                  for pod, container in ((uploader, "wait"), (loader, "init"))}
     kubectl("-n", NAMESPACE, "delete", "pod", train, "--wait=false")
     wf = wait(argo, name)
@@ -424,8 +432,8 @@ def test_the_s3_server_down_while_artifacts_move_then_the_train_pod_deleted_lose
     release.check(name, tmp_path, train_retried=True)
     record(f"S3 down {S3_DOWN_S} s while preprocess uploaded, and again while train loaded, "
            f"then the train pod deleted mid-step", wf, compare=False,
-           first_attempt=first.get("message"), upload_s=transfers["wait"],
-           load_s=transfers["init"])
+           first_attempt=first.get("message"), upload=transfers["wait"],
+           load=transfers["init"])
 
 
 def test_ten_users_at_once_share_the_cache_and_queue_for_the_node(argo, store, tmp_path):
