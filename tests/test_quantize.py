@@ -50,9 +50,10 @@ def exported(tmp_path_factory):
     return exported_model(tmp_path_factory.mktemp("quantize"), SOURCE, "64x64", *TRAIN)
 
 
-def quantize(root: Path, dataset: Path, out: Path, *extra: str):
+def quantize(root: Path, dataset: Path, out: Path, *extra: str,
+             env: dict[str, str] | None = None):
     return run_step("quantize", "--exported", str(root / "exported"), "--dataset", str(dataset),
-                    "--quantized", str(out), *extra)
+                    "--quantized", str(out), *extra, env=env)
 
 
 def gate_flags(bounds: dict[str, float]) -> list[str]:
@@ -82,9 +83,7 @@ def quantized(exported):
     (site / "sitecustomize.py").write_text(NO_NETWORK)
     env = step_env(UNET_TEST_LOOKUPS=str(exported / "lookups.txt"))
     env["PYTHONPATH"] = f"{site}{os.pathsep}{env['PYTHONPATH']}"
-    _ok(run_step("quantize", "--exported", str(exported / "exported"), "--dataset",
-                 str(exported / "dataset"), "--quantized", str(out), *gate_flags(REAL_GATE),
-                 env=env))
+    _ok(quantize(exported, exported / "dataset", out, *gate_flags(REAL_GATE), env=env))
     return out
 
 
