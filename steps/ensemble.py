@@ -5,7 +5,7 @@ fold's model.
     python -m steps.ensemble --exported DIR --with-exported DIR [...] --dataset DIR
         --ensemble DIR
 
-The graph: each model's own graph, its names prefixed ``fold<k>.`` (onnx.compose.add_prefix),
+The graph: each model's own graph, its names prefixed ``member<k>.`` (onnx.compose.add_prefix),
 all fed the one input ``image`` (N, C, H, W); each model's logits (N, K, H, W) through a
 softmax over axis 1; their mean p; the output ``logits`` = log(p). Since softmax(log p) = p, a
 reader that takes the softmax of ``logits`` (steps.evaluate) gets the mean softmax itself, and
@@ -43,10 +43,11 @@ _TINY = 1e-30                 # keeps log(p) finite where a mean softmax underfl
 
 def merged(models: list[onnx.ModelProto]) -> onnx.ModelProto:
     """One graph: input ``image``, output ``logits`` = log(mean over ``models`` of
-    softmax(their logits, axis 1)); the first model's metadata_props and opsets."""
+    softmax(their logits, axis 1)); the first model's metadata_props and opsets. The k-th
+    model's names are prefixed ``member<k>.``."""
     nodes, initializers, functions, softmaxes = [], [], {}, []
     for k, model in enumerate(models):
-        prefix = f"fold{k}."
+        prefix = predict.MEMBER_PREFIX.format(k)
         graph = compose.add_prefix(model, prefix).graph
         nodes.append(helper.make_node("Identity", [predict.INPUT_NAME],
                                       [prefix + predict.INPUT_NAME]))

@@ -267,6 +267,12 @@ def pooled_page(result: dict[str, Any]) -> str:
 {table(list(result['cases'].items()))}""")
 
 
+def region_outputs(result: dict[str, Any]) -> dict[str, str]:
+    """The mean Dice per BraTS region as the step's output parameters (``dice_wt`` ...)."""
+    dice = result["mean"]["dice"]
+    return {f"dice_{r.lower()}": f"{dice[r]:.4f}" for r in metrics.REGIONS}
+
+
 def pool_main(argv: Sequence[str]) -> int:
     p = OneLineArgumentParser(prog="python -m steps.evaluate pool",
                               description="The folds' evaluations pooled into one table.")
@@ -282,6 +288,7 @@ def pool_main(argv: Sequence[str]) -> int:
     with publish(args.pooled, "pooled-evaluation", STEP, {"folds": result["folds"]}) as out:
         (out / POOLED_FILE).write_text(json.dumps(result, indent=1) + "\n")
         (out / POOLED_PAGE).write_text(pooled_page(result))
+        write_outputs(out, STEP, region_outputs(result))
     dice = result["mean"]["dice"]
     print(f"evaluate pool: folds {result['folds']}, {len(result['cases'])} cases, Dice WT "
           f"{dice['WT']:.4f} TC {dice['TC']:.4f} ET {dice['ET']:.4f}", file=sys.stderr)
@@ -364,8 +371,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         (out / RESULT_FILE).write_text(json.dumps(result, indent=1) + "\n")
         plot_overlays(slices.samples(), out / OVERLAYS_FILE)
         (out / PAGE_FILE).write_text(page(result))
-        dice = result["mean"]["dice"]
-        write_outputs(out, STEP, {f"dice_{r.lower()}": f"{dice[r]:.4f}" for r in metrics.REGIONS})
+        write_outputs(out, STEP, region_outputs(result))
     return result
 
 

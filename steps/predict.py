@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import sys
 import threading
 import time
@@ -37,6 +38,8 @@ INPUT_NAME = "image"
 OUTPUT_NAME = "logits"
 # The `exported` artifact's model and card (written by steps.convert).
 ONNX_FILE = "unet2d.onnx"
+# An ensemble's graph (steps.ensemble) holds its k-th model's names under this prefix.
+MEMBER_PREFIX = "member{}."
 CARD_FILE = "model-card.json"
 DEFAULT_BATCH = 16
 # Operator domains a model's nodes may use: ONNX's own (ai.onnx.ml included, which
@@ -67,6 +70,12 @@ def pad_to_multiple(x: np.ndarray, multiple: int, fill: np.ndarray) -> np.ndarra
 
 
 # -------------------------------------------------------------------------- the model
+
+def member(node_name: str) -> str:
+    """The ensemble member that a node of the graph comes from ('' for a single model)."""
+    found = re.match(MEMBER_PREFIX.replace(".", r"\.").format(r"\d+"), node_name)
+    return found.group(0) if found else ""
+
 
 def open_session(path: Path | str):
     """onnxruntime session on the CPU execution provider; a bad file is a StepError."""

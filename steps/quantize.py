@@ -133,11 +133,15 @@ class _Reader:
 # ------------------------------------------------------------------------ quantization
 
 def end_convolutions(model) -> list[str]:
-    """Names of the first convolution (reads the input) and the last (feeds the output)."""
+    """Names of the first convolution (reads the input) and the last (feeds the output) of
+    the model, or of each member of an ensemble (steps.ensemble), in graph order."""
     convs = [node for node in model.graph.node if node.op_type in ("Conv", "ConvTranspose")]
     if not convs:
         raise StepError(f"{FP32_FILE}: the graph has no convolution to quantize")
-    return list(dict.fromkeys([convs[0].name, convs[-1].name]))
+    members: dict[str, list[str]] = {}
+    for node in convs:
+        members.setdefault(predict.member(node.name), []).append(node.name)
+    return list(dict.fromkeys(n for names in members.values() for n in (names[0], names[-1])))
 
 
 def quantize(fp32: Path, out: Path, calibration: Calibration, method: str,

@@ -18,8 +18,9 @@ the train pod evicted for its local storage; the S3 server (on its persistent vo
 and started again while preprocess uploads and while train loads, then the train pod deleted,
 as an operator or an autoscaler does; and ten users submitting at once (the last case: it
 publishes the template, and its runs read a source of their own). The cases that need
-preprocess to run empty the memoization cache first. Ten users at once runs only with
-UNET_CHAOS_TEN_USERS=1: it does not fit in CI's time beside the rest.
+preprocess to run empty the memoization cache first. Ten users at once is marked
+``beyond_ci`` (``python -m pytest -m beyond_ci tests/test_chaos.py``): it does not fit in CI's
+time beside the rest.
 """
 from __future__ import annotations
 
@@ -436,6 +437,7 @@ def test_the_s3_server_down_while_artifacts_move_then_the_train_pod_deleted_lose
            load=transfers["init"])
 
 
+@pytest.mark.beyond_ci
 def test_ten_users_at_once_share_the_cache_and_queue_for_the_node(argo, store, tmp_path):
     """Ten workflows submitted together from the published template, as ten users do: eight
     learning rates and one of them twice, all on a new source, so all ten would miss the
@@ -446,9 +448,6 @@ def test_ten_users_at_once_share_the_cache_and_queue_for_the_node(argo, store, t
     Kubernetes v1.35.4 pkg/kubelet/active_deadline.go pastActiveDeadline). Every run ends
     Succeeded, one pod per attempt, none left Running; the two runs with the same parameters
     release the same model, byte for byte."""
-    if os.environ.get("UNET_CHAOS_TEN_USERS") != "1":
-        pytest.skip("ten runs take 6-8 min of the 2-core node, more than CI's 90 min allow "
-                    "beside the rest; UNET_CHAOS_TEN_USERS=1 runs it (docs/testing.md)")
     published = cli(argo, "publish")
     assert published.returncode == 0, published.stderr
     # a source of their own, so that no earlier run's cache entry serves them

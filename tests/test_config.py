@@ -47,6 +47,19 @@ def test_quantize_and_evaluate_are_the_optional_stages():
             load_config(overrides=[f"pipeline.stages={bad}"])
 
 
+@pytest.mark.parametrize("overrides, needle", [
+    (["pipeline.folds=[2]"], r"pipeline\.folds: must be empty or at least two different"),
+    (["pipeline.folds=[0,1,1]"], r"pipeline\.folds: must be empty or at least two different"),
+    (["pipeline.folds=[0,5]"], r"pipeline\.folds\.1: must be less than or equal to 4"),
+    (["pipeline.folds=[0,1]"], r"pipeline\.folds: needs the evaluate stage"),
+    (["pipeline.folds=[0,1]", "pipeline.stages=[download,preprocess,train,convert,evaluate]",
+      "resources.train.nodes=2"], r"pipeline\.folds: .*resources\.train\.nodes must be 1"),
+])
+def test_folds_are_two_or_more_distinct_evaluated_on_one_node(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(overrides=overrides)
+
+
 def render_dict(overrides: list[str]) -> dict:
     from workflows.unet import build
     return build(load_config(overrides=overrides)).to_dict()

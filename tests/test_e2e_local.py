@@ -1,9 +1,11 @@
-"""End to end: ``python workflows/unet.py run --local`` runs the real four-step DAG.
+"""End to end: ``python workflows/unet.py run --local`` runs the real DAG.
 
 The compiled Workflow is executed by the local runner against the real S3 server of the ``s3``
-fixture (``AWS_ENDPOINT_URL`` set, as with the docker-compose MinIO). A second run with the
-same data inputs must take download and preprocess from the memoization cache. (Killing the
-train node and resuming it on retry is in tests/faults/.)
+fixture (``AWS_ENDPOINT_URL`` set, as with the docker-compose MinIO). The first run fans out
+over two folds (``pipeline.folds``: each fold trained, converted and evaluated, then the
+folds' ensemble released and their evaluations pooled); a second run with the same data
+inputs, one train on one fold, must take download and preprocess from the memoization cache.
+(Killing the train node and resuming it on retry is in tests/faults/.)
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 # figures are checked in tests/test_evaluate.py; here, that it runs in the DAG.
 TINY = ["-p", "train.max_epochs=1", "-p", "train.steps_per_epoch=4",
         "-p", "pipeline.stages=[download,preprocess,train,convert,evaluate]"]
+FOLDS = (0, 1)    # the fan-out's mechanics; all five are the local_5fold profile's
+PER_FOLD = ("train", "convert", "evaluate")
 
 
 def run_local(tmp: Path, s3, *overrides: str, tiny: bool = True, code: int = 0) -> dict:
@@ -49,35 +53,60 @@ def nodes_by_task(result: dict) -> dict:
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory, s3):
     tmp = tmp_path_factory.mktemp("e2e")
-    return tmp, run_local(tmp, s3)
+    return tmp, run_local(tmp, s3, "-p", f"pipeline.folds=[{','.join(map(str, FOLDS))}]")
 
 
-def test_all_four_nodes_succeed_with_artifacts_under_argo_keys(first_run, s3_env, tmp_path):
+def fold_tasks(step: str) -> list[str]:
+    return [f"{step}-fold-{k}" for k in FOLDS]
+
+
+def test_every_node_succeeds_with_artifacts_under_argo_keys(first_run, s3_env, tmp_path):
     tmp, result = first_run
     nodes = nodes_by_task(result)
     assert result["phase"] == "Succeeded"
-    assert [nodes[t]["phase"] for t in ("download", "preprocess", "train", "convert")] == \
-        ["Succeeded"] * 4
+    tasks = ["download", "preprocess", *[f"{s}-fold-{k}" for k in FOLDS for s in PER_FOLD],
+             "ensemble", "pool"]
+    assert sorted(nodes) == sorted(tasks)
+    assert [nodes[t]["phase"] for t in tasks] == ["Succeeded"] * len(tasks)
     workflow = result["workflow_name"]
     client = storage.client()
     for task, artifact in [("download", "raw"), ("preprocess", "dataset"),
-                           ("train", "model"), ("convert", "exported")]:
+                           *[(t, "model") for t in fold_tasks("train")],
+                           *[(t, "exported") for t in fold_tasks("convert") + ["ensemble"]],
+                           *[(t, "evaluation") for t in fold_tasks("evaluate")],
+                           ("pool", "pooled")]:
         ref = nodes[task]["artifacts"][artifact]
         assert ref["key"] == f"{workflow}/{nodes[task]['pod_name']}/{artifact}"
-        local = tmp_path / artifact
+        local = tmp_path / task / artifact
         storage.download_dir(f"s3://{ref['bucket']}/{ref['key']}", local, client=client)
-        assert json.loads((local / "MANIFEST.json").read_text())["artifact"] == artifact
+        kind = "pooled-evaluation" if artifact == "pooled" else artifact
+        assert json.loads((local / "MANIFEST.json").read_text())["artifact"] == kind
 
 
-def test_onnx_model_is_released_with_parity_and_runs(first_run, s3_env, tmp_path):
+def test_each_fold_trains_on_its_own_split_and_checkpoints_apart(first_run, s3_env):
+    """Each fold's model held its own fold out (the ensemble's card lists what each member's
+    training recorded), and each fold's checkpoints are under its own prefix."""
+    tmp, result = first_run
+    card = json.loads((tmp / "outputs" / "exported" / "model-card.json").read_text())
+    assert [m["training"]["config"]["fold"] for m in card["ensemble"]["members"]] == list(FOLDS)
+    for k in FOLDS:
+        store = f"s3://{result['bucket']}/checkpoints/{result['workflow_name']}/fold-{k}/"
+        assert any(key.endswith(".pt") for key in storage.list_keys(store)), store
+
+
+def test_the_ensemble_of_the_folds_is_released_with_parity_and_runs(first_run, s3_env,
+                                                                   tmp_path):
     tmp, result = first_run
     workflow = result["workflow_name"]
     released = f"s3://{result['bucket']}/models/unet2d-brats/{workflow}"
     keys = storage.list_keys(released)
     assert any(key.endswith("unet2d.onnx") for key in keys), keys
     parity = json.loads((tmp / "outputs" / "exported" / "parity.json").read_text())
-    assert parity["passed"] is True
-    assert float(nodes_by_task(result)["convert"]["parameters"]["max-abs-diff"]) <= 1e-3
+    assert parity["passed"] is True and parity["max_abs_softmax_diff"] <= 1e-4
+    card = json.loads((tmp / "outputs" / "exported" / "model-card.json").read_text())
+    assert card["folds"] == list(FOLDS)
+    for task in fold_tasks("convert"):
+        assert float(nodes_by_task(result)[task]["parameters"]["max-abs-diff"]) <= 1e-3
 
     import onnxruntime as ort
     onnx_path = tmp_path / "unet2d.onnx"
@@ -87,29 +116,33 @@ def test_onnx_model_is_released_with_parity_and_runs(first_run, s3_env, tmp_path
     assert logits.shape == (2, 4, 64, 64) and np.isfinite(logits).all()
 
 
-def test_the_held_out_fold_is_evaluated_after_convert(first_run, s3_env, tmp_path):
-    """The optional stage ``evaluate``: the exported model on fold 0's held-out cases, whole;
-    its three regions' Dice as Argo outputs, the same as in its evaluation.json."""
-    _, result = first_run
-    node = nodes_by_task(result)["evaluate"]
-    assert node["phase"] == "Succeeded"
-    ref = node["artifacts"]["evaluation"]
-    storage.download_dir(f"s3://{ref['bucket']}/{ref['key']}", tmp_path / "evaluation",
-                         client=storage.client())
-    evaluation = json.loads((tmp_path / "evaluation" / "evaluation.json").read_text())
-    data = nodes_by_task(result)["preprocess"]["artifacts"]["dataset"]
+def test_each_fold_is_evaluated_on_its_held_out_cases_and_the_pool_joins_them(
+        first_run, s3_env, tmp_path):
+    """Each fold's exported model on its held-out cases, whole; the pool's table covers every
+    fold's cases, and its three regions' Dice are the workflow's outputs, as in pooled.json."""
+    tmp, result = first_run
+    nodes = nodes_by_task(result)
+    data = nodes["preprocess"]["artifacts"]["dataset"]
     storage.download_file(f"s3://{data['bucket']}/{data['key']}/dataset.json",
                           tmp_path / "dataset.json", progress=False)
     dataset = json.loads((tmp_path / "dataset.json").read_text())
-    assert sorted(evaluation["cases"]) == sorted(dataset["folds"][0]["val"])
-    assert evaluation["fold"] == 0 and evaluation["inference"]["mirroring"] is True
-    for region in ("WT", "TC", "ET"):
-        value = float(node["parameters"][f"dice-{region.lower()}"])
-        assert 0 <= value <= 1 and value == round(evaluation["mean"]["dice"][region], 4)
-    assert (tmp_path / "evaluation" / "evaluation.html").read_text().startswith("<!doctype")
+    for k, task in zip(FOLDS, fold_tasks("evaluate")):
+        ref = nodes[task]["artifacts"]["evaluation"]
+        storage.download_dir(f"s3://{ref['bucket']}/{ref['key']}", tmp_path / task,
+                             client=storage.client())
+        evaluation = json.loads((tmp_path / task / "evaluation.json").read_text())
+        assert sorted(evaluation["cases"]) == sorted(dataset["folds"][k]["val"])
+        assert evaluation["fold"] == k and evaluation["inference"]["mirroring"] is True
+    pooled = json.loads((tmp / "outputs" / "pooled" / "pooled.json").read_text())
+    assert pooled["folds"] == list(FOLDS)
+    assert sorted(pooled["cases"]) == sorted(c for k in FOLDS for c in dataset["folds"][k]["val"])
+    for region in ("WT", "TC", "ET"):   # the workflow's outputs (globalName)
+        value = float(nodes["pool"]["parameters"][f"dice-{region.lower()}"])
+        assert 0 <= value <= 1 and value == round(pooled["mean"]["dice"][region], 4)
+    assert (tmp / "outputs" / "pooled" / "pooled.html").read_text().startswith("<!doctype")
 
 
-def test_second_run_takes_data_steps_from_the_memoization_cache(first_run, s3):
+def test_second_run_takes_data_steps_from_the_memoization_cache(first_run, s3, s3_env):
     tmp, first = first_run
     second = run_local(tmp, s3, "-p", "train.steps_per_epoch=2")
     before, after = nodes_by_task(first), nodes_by_task(second)
@@ -119,6 +152,8 @@ def test_second_run_takes_data_steps_from_the_memoization_cache(first_run, s3):
         assert after[task]["artifacts"][artifact]["key"] == before[task]["artifacts"][artifact]["key"]
     assert after["train"]["memoized"] is False
     assert [after[t]["phase"] for t in ("train", "convert", "evaluate")] == ["Succeeded"] * 3
+    released = f"s3://{second['bucket']}/models/unet2d-brats/{second['workflow_name']}"
+    assert any(key.endswith("unet2d.onnx") for key in storage.list_keys(released))
 
 
 def test_a_missed_int8_gate_fails_the_workflow_after_the_fp32_model_is_released(tmp_path, s3,

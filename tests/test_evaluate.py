@@ -276,6 +276,27 @@ def test_the_ensemble_is_one_graph_of_the_folds_mean_softmax(labelled, tmp_path)
     assert result["models"][0]["folds"] == [0, 1] and result["trained_on_by"] == 2
 
 
+def test_quantize_keeps_each_members_end_convolutions_in_float(labelled, tmp_path):
+    """--float-layers first-last in an ensemble: every member's first and last convolution,
+    not the first member's first and the last member's last."""
+    from steps import ensemble, quantize
+    _, meta = labelled
+    channels, labels = meta["channels"], dict(meta["labels"])
+    hidden = np.zeros((2, len(channels), 3, 3), np.float32)
+    out = np.zeros((N_CLASSES, 2, 1, 1), np.float32)
+    for k in (0, 1):
+        model_file(tmp_path / f"m{k}.onnx", [
+            helper.make_node("Conv", ["image", "w1"], ["h"], pads=[1, 1, 1, 1], name="first"),
+            helper.make_node("Conv", ["h", "w2"], ["h2"], name="middle"),
+            helper.make_node("Conv", ["h2", "w3"], ["logits"], name="last")],
+            {"w1": hidden, "w2": np.zeros((2, 2, 1, 1), np.float32), "w3": out},
+            channels, labels)
+    models = [onnx.load(str(tmp_path / f"m{k}.onnx")) for k in (0, 1)]
+    assert quantize.end_convolutions(models[0]) == ["first", "last"]
+    assert quantize.end_convolutions(ensemble.merged(models)) == [
+        "member0.first", "member0.last", "member1.first", "member1.last"]
+
+
 def test_an_ensemble_takes_one_model_per_fold(labelled, tmp_path):
     dataset, meta = labelled
     folds = [exported(tmp_path / f"f{k}", oracle, meta, 0) for k in (0, 1)]

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from real_cluster import (ARGO_CA, ARGO_URL, CFG, NAMESPACE, REQUIRED, cli, kubectl, pods_of,
-                          request, until, wait)
+from real_cluster import (ARGO_CA, ARGO_URL, CFG, NAMESPACE, REQUIRED, argo_nodes, cli,
+                          compiled, kubectl, pods_of, request, until, wait)
 
 try:
     from playwright.sync_api import TimeoutError as NoDialog, sync_playwright
@@ -370,3 +370,39 @@ def test_stop_and_delete_leave_no_pod_behind(page, published, argo, shots):
     until(lambda: fetch(argo, f"api/v1/workflows/{NAMESPACE}/{name}").status_code == 404, 180,
           "the workflow to go", every=1)
     until(lambda: not pods_of(name), 180, "its pods to go", every=1)
+
+
+# ---- nnU-Net's folds (issue 49) ---------------------------------------------------------------
+FOLDS = (0, 1, 2, 3, 4)
+
+
+@pytest.mark.beyond_ci
+def test_five_folds_fan_out_side_by_side_and_join_in_the_ensemble_and_the_pool(page, argo,
+                                                                                shots):
+    """The cluster profile with ``pipeline.folds`` on 10 tiny cases (2 held out per fold), on
+    Argo's own controller: every fold's train, convert and evaluate Succeeded, at least two
+    trains ran at the same time (the node has room for two 1-CPU pods), the pool's means are
+    the workflow's outputs, the ensemble of the five is the released model. The graph draws
+    the fan-out (docs/ui/folds.png)."""
+    doc = compiled("download.source=synthetic://?cases=10&shape=32x32x16&seed=0",
+                   f"pipeline.folds=[{','.join(map(str, FOLDS))}]",
+                   "pipeline.stages=[download,preprocess,train,convert,evaluate]")
+    name = argo.create_workflow(doc)["metadata"]["name"]
+    wf = wait(argo, name, timeout=1800)
+    assert wf["status"]["phase"] == "Succeeded", wf["status"].get("message")
+    table = argo_nodes(wf)
+    per_fold = [f"{step}-fold-{k}" for k in FOLDS for step in ("train", "convert", "evaluate")]
+    assert {t: table[t]["phase"] for t in [*per_fold, "ensemble", "pool"]} == dict.fromkeys(
+        [*per_fold, "ensemble", "pool"], "Succeeded")
+    trains = sorted((n["startedAt"], n["finishedAt"]) for n in wf["status"]["nodes"].values()
+                    if re.fullmatch(r"train-fold-\d", n["displayName"]))
+    assert any(later[0] < earlier[1] for earlier, later in zip(trains, trains[1:])), trains
+    outputs = {p["name"]: p["value"] for p in wf["status"]["outputs"]["parameters"]}
+    assert {k: outputs[k] for k in ("dice-wt", "dice-tc", "dice-et")} == {
+        k: table["pool"]["parameters"][k] for k in ("dice-wt", "dice-tc", "dice-et")}
+    assert table["ensemble"]["artifacts"]["release"] == f"models/{TEMPLATE}/{name}"
+    page.goto(f"/workflows/{NAMESPACE}/{name}")
+    for task in ("ensemble", "pool", *[f"train-fold-{k}" for k in FOLDS]):
+        graph_node(page, task).first.wait_for()
+    assert "Succeeded" in node_info(page, "pool").inner_text()
+    page.screenshot(path=shots / "folds.png", full_page=True)

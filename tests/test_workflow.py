@@ -12,7 +12,7 @@ import yaml
 
 from steps import params, quantize
 from steps.artifacts import write_outputs
-from workflows.cli import GOLDEN_FILES
+from workflows.cli import FOLDS, GOLDEN_FILES
 from workflows.config import load_config
 from workflows.lint import ARGO_SCHEMAS, VALIDATOR, first_file, lint, project_rules, round_trip, schema
 from workflows.unet import GOLDEN, build, render
@@ -66,7 +66,7 @@ def test_round_trip_reports_a_dropped_key():
     assert any("notAField" in p for p in round_trip(doc))
 
 
-@pytest.mark.parametrize("overrides", [[], ["resources.train.nodes=2"]])
+@pytest.mark.parametrize("overrides", [[], ["resources.train.nodes=2"], FOLDS])
 def test_project_rules_pass_for_the_shipped_config(overrides):
     assert project_rules(_doc(*overrides), env={}) == []
 
@@ -155,6 +155,45 @@ def test_dag_wiring_and_artifacts():
     assert release["s3"]["key"] == "models/unet2d-brats/{{workflow.name}}"
     assert doc["spec"]["artifactRepositoryRef"] == {"configMap": "artifact-repositories",
                                                     "key": "default-v1"}
+
+
+def test_folds_fan_out_after_preprocess_and_join_in_the_ensemble_and_the_pool():
+    doc = _doc(*FOLDS)
+    t = _templates(doc)
+    tasks = {x["name"]: x for x in t["pipeline"]["dag"]["tasks"]}
+    folds = range(5)
+    assert "fold" not in {p["name"] for p in doc["spec"]["arguments"]["parameters"]}
+    for k in folds:
+        train, convert, evaluate = (tasks[f"{s}-fold-{k}"] for s in ("train", "convert",
+                                                                      "evaluate"))
+        assert (train["depends"], convert["depends"], evaluate["depends"]) == (
+            "preprocess", f"train-fold-{k}", f"convert-fold-{k}")
+        given = {p["name"]: p["value"] for p in train["arguments"]["parameters"]}
+        assert given["fold"] == str(k)
+        assert {a["name"]: a["from"] for a in convert["arguments"]["artifacts"]}["model"] == \
+            f"{{{{tasks.train-fold-{k}.outputs.artifacts.model}}}}"
+    assert not {"train", "convert", "evaluate"} & set(tasks)
+    # each fold checkpoints apart: an attempt resumes its own fold only
+    assert "/{{workflow.name}}/fold-{{inputs.parameters.fold}}/" in " ".join(
+        t["train"]["container"]["args"])
+    assert tasks["ensemble"]["depends"] == " && ".join(f"convert-fold-{k}" for k in folds)
+    assert tasks["pool"]["depends"] == " && ".join(f"evaluate-fold-{k}" for k in folds)
+    assert tasks["quantize"]["depends"] == "ensemble"
+    assert {a["name"]: a["from"] for a in tasks["quantize"]["arguments"]["artifacts"]}[
+        "exported"] == "{{tasks.ensemble.outputs.artifacts.exported}}"
+    # the ensemble alone is released; the pool's means alone are the workflow's outputs
+    releases = {n for n, x in t.items() for a in (x.get("outputs") or {}).get("artifacts", [])
+                if a["name"] == "release"}
+    assert releases == {"ensemble", "quantize"}
+    outputs = {n for x in t.values() for n in
+               [p["name"] for p in (x.get("outputs") or {}).get("parameters", [])
+                if p.get("globalName")]}
+    assert outputs == {"dice-wt", "dice-tc", "dice-et", "int8-mean-dice", "int8-speedup"}
+    assert {p["globalName"] for p in t["pool"]["outputs"]["parameters"]} == {
+        "dice-wt", "dice-tc", "dice-et"}
+    args = t["ensemble"]["container"]["args"]
+    assert args.count("--with-exported") == 4 and "--ensemble" in args
+    assert t["pool"]["container"]["args"][:2] == ["pool", "--evaluation"]
 
 
 def test_artifact_paths_reach_commands_only_through_variables():

@@ -16,10 +16,14 @@ from workflows.config import DEFAULT_CONFIG, Config, load_config
 from workflows.lint import CHECKS, lint
 from workflows.unet import GOLDEN, build, render
 
+# nnU-Net's five folds side by side, each evaluated, pooled and ensembled (workflows.unet)
+FOLDS = ["pipeline.folds=[0,1,2,3,4]",
+         "pipeline.stages=[download,preprocess,train,convert,quantize,evaluate]"]
 GOLDEN_FILES = {
     "unet-workflow.yaml": ("workflow", []),
     "unet-workflowtemplate.yaml": ("template", []),
     "unet-workflow-multinode.yaml": ("workflow", ["resources.train.nodes=2"]),
+    "unet-workflow-folds.yaml": ("workflow", FOLDS),
 }
 
 

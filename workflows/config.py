@@ -80,6 +80,10 @@ class Pipeline(_Strict):
         list(STAGES)
     service_account: str = Field("unet-workflow", pattern=_NAME)
     run_as_user: int = Field(1000, ge=1, description="non-root uid for every step pod")
+    folds: list[Annotated[int, Field(ge=0, le=params.N_FOLDS - 1)]] = Field(
+        [], description="nnU-Net's cross-validation in one run: a train, convert and "
+                        "evaluate per fold in parallel, then the folds' evaluations pooled "
+                        "and their ensemble released (empty: one train on train.fold)")
 
     @field_validator("stages")
     @classmethod
@@ -89,6 +93,13 @@ class Pipeline(_Strict):
                 s for s in OPTIONAL_STAGES if s in optional):
             raise ValueError(f"must be {list(STAGES)}, optionally followed by any of "
                              f"{list(OPTIONAL_STAGES)} (the DAG's stages in their order)")
+        return value
+
+    @field_validator("folds")
+    @classmethod
+    def _two_folds_or_none(cls, value: list[int]) -> list[int]:
+        if len(value) == 1 or len(set(value)) != len(value):
+            raise ValueError("must be empty or at least two different folds")
         return value
 
 
@@ -292,6 +303,11 @@ class Config(_Strict):
     @property
     def evaluates(self) -> bool:
         return "evaluate" in self.pipeline.stages
+
+    @property
+    def fans_out(self) -> bool:
+        """One train, convert and evaluate per fold of ``pipeline.folds``."""
+        return bool(self.pipeline.folds)
 
     @property
     def train_image_kind(self) -> str:
@@ -535,5 +551,11 @@ def _check_consistency(config: Config, source: str) -> None:
     if config.train.device not in ("auto", wanted):
         raise ConfigError(f"{source}: train.device: '{config.train.device}' does not match "
                           f"resources.train.accelerator '{accelerator}' (use {wanted} or auto)")
+    if config.pipeline.folds and not config.evaluates:
+        raise ConfigError(f"{source}: pipeline.folds: needs the evaluate stage in "
+                          "pipeline.stages (each fold's evaluation is what the pool joins)")
+    if config.pipeline.folds and config.resources.train.nodes > 1:
+        raise ConfigError(f"{source}: pipeline.folds: a fan-out of folds trains each on one "
+                          "node; resources.train.nodes must be 1")
     # Multi-node on the CPU accelerator is allowed: gloo across the job's pods is how the
     # PyTorchJob runs on the real operator in tests/test_multinode.py (issue 26).

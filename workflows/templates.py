@@ -28,6 +28,8 @@ DATA = "/data"  # artifact paths inside a pod; the local runner remaps them
 WORK_VOLUME = "work"  # the emptyDir at DATA that holds every artifact of a step pod
 # Templates that memoize take every parameter as an input: the memo key hashes inputs only.
 MEMOIZED = ("download", "preprocess")
+FOLD = "fold"
+FOLD_STEPS = ("train", "convert", "evaluate")   # one task each per fold of pipeline.folds
 
 
 def wf_param(name: str) -> str:
@@ -54,7 +56,7 @@ def workflow_parameters(cfg: Config) -> list[Parameter]:
     out = []
     for section, spec in params.STEPS.items():
         for p in spec:
-            if p.ui:
+            if p.ui and not (cfg.fans_out and p.name == FOLD):
                 out.append(Parameter(name=p.dashed, value=p.text(value(cfg, section, p)),
                                      description=p.help, enum=_enum(cfg, p)))
     if cfg.quantizes:
@@ -101,15 +103,20 @@ def param_inputs(section: str) -> list[Parameter]:
     return [Parameter(name=p.dashed) for p in params.STEPS[section] if as_input(section, p)]
 
 
-def task_params(wf, cfg: Config, section: str, only: list[str] | None = None) -> list[Parameter]:
+def task_params(wf, cfg: Config, section: str, only: list[str] | None = None,
+                fixed: dict[str, str] | None = None) -> list[Parameter]:
     """A step's input parameters on its DAG task: the workflow parameter (Hera's
-    ``get_parameter``, which checks that it exists) or the config's value."""
-    out = []
+    ``get_parameter``, which checks that it exists), the config's value, or the task's own
+    (``fixed``: a fold's number)."""
+    out, fixed = [], fixed or {}
     for p in params.STEPS[section]:
         if only is not None and p.dashed not in only or not as_input(section, p):
             continue
-        out.append(wf.get_parameter(p.dashed) if p.ui else
-                   Parameter(name=p.dashed, value=p.text(value(cfg, section, p))))
+        if p.dashed in fixed:
+            out.append(Parameter(name=p.dashed, value=fixed[p.dashed]))
+        else:
+            out.append(wf.get_parameter(p.dashed) if p.ui else
+                       Parameter(name=p.dashed, value=p.text(value(cfg, section, p))))
     return out
 
 
@@ -178,19 +185,32 @@ def step_inputs(step_name: str) -> list:
 
 def step_outputs(cfg: Config, step_name: str) -> list:
     """The output artifact, the parts of it shown on their own, its release copy, and the
-    output parameters read from the files the step writes under it."""
+    output parameters read from the files the step writes under it. A step run once per
+    fold (:data:`FOLD_STEPS` under ``pipeline.folds``) has no release and sets no workflow
+    output: the ensemble and the pool do."""
     io = params.IO[step_name]
+    per_fold = cfg.fans_out and step_name in FOLD_STEPS
     out = [directory(io.writes, output=True)] + [
         Artifact(name=name, path=f"{artifact_path(io.writes, output=True)}/{file}",
                  archive=NoneArchiveStrategy()) for name, file in io.files.items()]
-    if io.release is not None:
-        out.append(S3Artifact(name="release", path=f"{DATA}/{io.writes}",
-                              archive=NoneArchiveStrategy(),
-                              key=f"{cfg.storage.models_prefix}/{cfg.pipeline.model_name}/"
-                                  "{{workflow.name}}" + io.release))
+    if io.release is not None and not per_fold:
+        out.append(release(cfg, f"{DATA}/{io.writes}", io.release))
     folder = f"{artifact_path(io.writes, output=True)}/{params.OUTPUTS_DIR}"
-    return out + [Parameter(name=n.replace("_", "-"), global_name=n.replace("_", "-"),
-                            value_from=m.ValueFrom(path=f"{folder}/{n}")) for n in io.outputs]
+    return out + result_parameters(folder, io.outputs, not per_fold)
+
+
+def release(cfg: Config, path: str, suffix: str) -> S3Artifact:
+    """The copy of a model at ``models/<model_name>/<workflow name><suffix>``."""
+    return S3Artifact(name="release", path=path, archive=NoneArchiveStrategy(),
+                      key=f"{cfg.storage.models_prefix}/{cfg.pipeline.model_name}/"
+                          "{{workflow.name}}" + suffix)
+
+
+def result_parameters(folder: str, names, workflow_outputs: bool = True) -> list[Parameter]:
+    """Output parameters from the files ``folder/<name>``, also the workflow's outputs."""
+    return [Parameter(name=n.replace("_", "-"), value_from=m.ValueFrom(path=f"{folder}/{n}"),
+                      global_name=n.replace("_", "-") if workflow_outputs else None)
+            for n in names]
 
 
 def s3_env(cfg: Config) -> list[m.EnvVar]:
@@ -307,9 +327,11 @@ def train_args(cfg: Config, path=artifact_path) -> list[str]:
 
 
 def checkpoint_uri(cfg: Config) -> str:
-    """Per workflow, so an Argo retry of the same workflow resumes where it stopped."""
+    """Per workflow, so an Argo retry of the same workflow resumes where it stopped; per
+    fold too under ``pipeline.folds``, where the folds train side by side."""
     s = cfg.storage
-    return f"s3://{s.bucket}/{s.checkpoint_prefix}/{{{{workflow.name}}}}/"
+    fold = f"fold-{arg('fold')}/" if cfg.fans_out else ""
+    return f"s3://{s.bucket}/{s.checkpoint_prefix}/{{{{workflow.name}}}}/{fold}"
 
 
 def accelerator_resources(cfg: Config) -> tuple[m.ResourceRequirements, list, list]:
@@ -497,3 +519,37 @@ def quantize_template(cfg: Config) -> Container:
 def evaluate_template(cfg: Config) -> Container:
     """The held-out fold's whole volumes through the exported model (steps.evaluate)."""
     return data_step(cfg, "evaluate")
+
+
+def fold_inputs(artifact: str, folds: list[int]) -> list[Artifact]:
+    """One input artifact per fold: ``<artifact>-fold-<k>`` at /data/<artifact>-fold-<k>."""
+    return [directory(f"{artifact}-fold-{k}") for k in folds]
+
+
+def ensemble_template(cfg: Config) -> Container:
+    """The folds' models as one (steps.ensemble), an ``exported`` artifact released as the
+    run's model: ``--exported`` the first fold's, ``--with-exported`` each other's."""
+    folds = cfg.pipeline.folds
+    paths = [artifact_path(a.name) for a in fold_inputs("exported", folds)]
+    args = (["--exported", paths[0]] + [w for p in paths[1:] for w in ("--with-exported", p)]
+            + ["--dataset", artifact_path("dataset"),
+               "--ensemble", artifact_path("exported", output=True)])
+    return step(cfg, "ensemble", "cpu", args=args, resources="convert", env=extra_env(cfg),
+                inputs=[Parameter(name="image-tag"), *fold_inputs("exported", folds),
+                        directory("dataset")],
+                outputs=[directory("exported", output=True),
+                         release(cfg, f"{DATA}/exported", "")])
+
+
+def pool_template(cfg: Config) -> Container:
+    """The folds' evaluations pooled into the cross-validation table (steps.evaluate pool);
+    its means, named as one evaluation's, are the workflow's outputs."""
+    folds = cfg.pipeline.folds
+    evaluations = fold_inputs("evaluation", folds)
+    args = (["pool", "--evaluation", *[artifact_path(a.name) for a in evaluations],
+             "--pooled", artifact_path("pooled", output=True)])
+    folder = f"{artifact_path('pooled', output=True)}/{params.OUTPUTS_DIR}"
+    return step(cfg, "pool", "cpu", command=["python", "-m", "steps.evaluate"], args=args,
+                resources="evaluate", env=extra_env(cfg),
+                inputs=[Parameter(name="image-tag"), *evaluations],
+                outputs=[directory("pooled", output=True), *result_parameters(folder, params.IO["evaluate"].outputs)])

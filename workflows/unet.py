@@ -15,7 +15,10 @@ models/<model_name>/<workflow name>/ (convert also reads ``dataset``), and with 
 stage ``quantize`` (``pipeline.stages``; the ``quantize`` parameter turns it off per run)
 convert --exported--> quantize --quantized--> models/<model_name>/<workflow name>/int8/; with
 ``evaluate`` convert --exported--> evaluate --evaluation--> (the held-out fold's whole volumes,
-scored). The templates are
+scored). With ``pipeline.folds`` the DAG fans out after preprocess: per fold k,
+train-fold-k --> convert-fold-k --> evaluate-fold-k; then every fold's exported model -->
+ensemble --exported--> models/<model_name>/<workflow name>/ (and quantize), and every fold's
+evaluation --> pool --pooled--> (the cross-validation table). The templates are
 :mod:`workflows.templates`. With ``resources.train.nodes > 1`` train becomes a Kubeflow
 PyTorchJob (see :mod:`workflows.multinode`).
 """
@@ -52,6 +55,14 @@ class _Wiring:
 
     def inputs(self, step: str) -> list:
         return [self.last[self.writer[a]].get_artifact(a) for a in params.IO[step].reads]
+
+    @classmethod
+    def after(cls, shared: "_Wiring") -> "_Wiring":
+        """A wiring that continues ``shared`` (a fold's, from the data steps on)."""
+        out = cls()
+        out.writer, out.last, out.before = (dict(shared.writer), dict(shared.last),
+                                            dict(shared.before))
+        return out
 
     def add(self, step: str, first: Task, last: Task) -> None:
         parents = {self.writer[a] for a in params.IO[step].reads}
@@ -105,9 +116,13 @@ def build(cfg: Config, kind: str = "workflow") -> Workflow:
         templates["train"] = multinode.templates(cfg) if multi else t.train_template(cfg)
         tags = {"data": wf.get_parameter("data-image-tag").with_name("image-tag"),
                 "train": wf.get_parameter("train-image-tag").with_name("image-tag")}
+        if cfg.fans_out:
+            templates |= {"ensemble": t.ensemble_template(cfg), "pool": t.pool_template(cfg)}
         with DAG(name="pipeline"):
             dag = _Wiring()
             for name in [n for n in params.IO if n in templates]:   # in DAG order
+                if cfg.fans_out and name in t.FOLD_STEPS + ("quantize",):
+                    continue
                 template = templates[name]
                 own = t.task_params(wf, cfg, name) + [tags["train" if name == "train" else "data"]]
                 if name == "train" and multi:
@@ -117,7 +132,45 @@ def build(cfg: Config, kind: str = "workflow") -> Workflow:
                     first = last = Task(name=name, template=template, when=WHEN.get(name),
                                         arguments=before + own + dag.inputs(name) + after)
                 dag.add(name, first, last)
+            if cfg.fans_out:
+                _folds(wf, cfg, templates, tags, dag)
     return wf
+
+
+def _folds(wf, cfg: Config, templates: dict, tags: dict, shared: _Wiring) -> None:
+    """nnU-Net's cross-validation after preprocess: per fold k, ``train-fold-k`` (fold k
+    held out, its own checkpoints) -> ``convert-fold-k`` -> ``evaluate-fold-k``, the folds
+    side by side; then ``ensemble`` (every fold's model as one, released) -> ``quantize``,
+    and ``pool`` (every fold's evaluation as the cross-validation table)."""
+    last: dict[str, list[Task]] = {step: [] for step in t.FOLD_STEPS}
+    for k in cfg.pipeline.folds:
+        dag = _Wiring.after(shared)
+        for name in t.FOLD_STEPS:
+            own = t.task_params(wf, cfg, name, fixed={t.FOLD: str(k)} if name == "train"
+                                else None) + [tags["train" if name == "train" else "data"]]
+            before, after = _extra_arguments(wf, cfg, dag, name)
+            task = Task(name=f"{name}-fold-{k}", template=templates[name],
+                        arguments=before + own + dag.inputs(name) + after)
+            dag.add(name, task, task)
+            last[name].append(task)
+    dataset = shared.last["preprocess"].get_artifact("dataset")
+    ensemble = Task(name="ensemble", template=templates["ensemble"], arguments=[
+        tags["data"], *_per_fold(last["convert"], "exported", cfg.pipeline.folds), dataset])
+    pool = Task(name="pool", template=templates["pool"], arguments=[
+        tags["data"], *_per_fold(last["evaluate"], "evaluation", cfg.pipeline.folds)])
+    last["convert"] >> ensemble
+    last["evaluate"] >> pool
+    if cfg.quantizes:
+        quantize = Task(name="quantize", template=templates["quantize"], when=WHEN["quantize"],
+                        arguments=t.task_params(wf, cfg, "quantize") + [tags["data"]] + [
+                            ensemble.get_artifact("exported"), dataset])
+        ensemble >> quantize
+
+
+def _per_fold(tasks: list[Task], artifact: str, folds: list[int]) -> list:
+    """Each fold's ``artifact`` as the input ``<artifact>-fold-<k>`` (templates.fold_inputs)."""
+    return [task.get_artifact(artifact).with_name(f"{artifact}-fold-{k}")
+            for task, k in zip(tasks, folds)]
 
 
 def render(cfg: Config, kind: str = "workflow") -> str:
