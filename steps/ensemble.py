@@ -3,7 +3,7 @@ ensemble of the five folds), so that predict, evaluate and quantize take it as t
 fold's model.
 
     python -m steps.ensemble --exported DIR --with-exported DIR [...] --dataset DIR
-        --ensemble DIR
+        [--pooled DIR] --ensemble DIR
 
 The graph: each model's own graph, its names prefixed ``member<k>.`` (onnx.compose.add_prefix),
 all fed the one input ``image`` (N, C, H, W); each model's logits (N, K, H, W) through a
@@ -15,12 +15,16 @@ Output: an ``exported`` artifact, which every reader of one takes: ``unet2d.onnx
 folds' preprocessing contract, ``parity.json`` (the ensemble's softmax against the mean of
 the folds' own, run one by one, on slices of every case of the dataset: at most
 :data:`PARITY_TOLERANCE` apart) and ``model-card.json`` listing the folds, each with its
-figures and the digest of the artifact it came from.
+figures and the digest of the artifact it came from. With ``--pooled`` (the folds' pooled
+evaluation) the card holds the cross-validation figures and the postprocessing decided on
+them, the model's ``postprocessing`` metadata the label groups whose largest connected
+component steps.predict keeps, and ``cross-validation.json`` / ``.html`` are the pool's table.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -29,13 +33,14 @@ import numpy as np
 import onnx
 from onnx import compose, helper
 
-from steps import evaluate, limits, predict
+from steps import evaluate, limits, metrics, predict, schemas
 from steps.artifacts import check_disjoint, manifest_digest, publish, require
 from steps.dataset import open_cases, read_metadata
 from steps.errors import OneLineArgumentParser, StepError, run_main
 
 STEP = "ensemble"
 PARITY_FILE = "parity.json"
+CV_FILE, CV_PAGE = "cross-validation.json", "cross-validation.html"   # with --pooled
 PARITY_TOLERANCE = 1e-4       # largest |ensemble softmax - mean of the folds' softmaxes|
 PARITY_SLICES = 16
 _TINY = 1e-30                 # keeps log(p) finite where a mean softmax underflows to 0
@@ -119,11 +124,44 @@ def parity(path: Path, folders: list[Path], dataset: Path, n_classes: int) -> di
             "reference": "mean of each fold's onnxruntime softmax, run alone"}
 
 
-def card(cards: list[dict[str, Any]], folders: list[Path],
-         figures: dict[str, Any]) -> dict[str, Any]:
+def read_pooled(folder: Path, folds: list[int]) -> dict[str, Any]:
+    """The folds' ``pooled-evaluation`` (steps.evaluate pool), checked against
+    schemas.Pooled; it must pool exactly the ensemble's folds."""
+    require(folder, "pooled-evaluation")
+    if not (folder / evaluate.POOLED_PAGE).is_file():
+        raise StepError(f"--pooled {folder}: {evaluate.POOLED_PAGE} is missing (not an "
+                        "artifact of steps.evaluate pool)")
+    where = f"--pooled {folder}: {evaluate.POOLED_FILE}"
+    pooled = schemas.read_json(folder / evaluate.POOLED_FILE, where)
+    schemas.validate(schemas.Pooled, pooled, where)
+    if sorted(pooled["folds"]) != sorted(folds):
+        raise StepError(f"{where} pools folds {pooled['folds']}, the ensemble's are {folds}")
+    return pooled
+
+
+def with_postprocessing(model: onnx.ModelProto, groups: list[list[int]]) -> onnx.ModelProto:
+    """The decided postprocessing as the model's ``postprocessing`` metadata, which
+    steps.predict applies (schemas.Postprocessing); nothing where nothing was decided."""
+    if groups:
+        model.metadata_props.add(key="postprocessing",
+                                 value=json.dumps({"keep_largest_component": groups}))
+    return model
+
+
+def card(cards: list[dict[str, Any]], folders: list[Path], figures: dict[str, Any],
+         pooled: dict[str, Any] | None) -> dict[str, Any]:
     """The ensemble's model card: the first fold's, with the folds listed in place of one
-    training run."""
+    training run, and their pooled cross-validation with its postprocessing decision."""
     out = {k: v for k, v in cards[0].items() if k not in ("training", "parity", "provenance")}
+    files = {"onnx": predict.ONNX_FILE, "parity": PARITY_FILE}
+    if pooled is not None:
+        files |= {"cross_validation": CV_FILE, "cross_validation_page": CV_PAGE}
+        out["cross_validation"] = {
+            "folds": pooled["folds"], "cases": len(pooled["cases"]), "mean": pooled["mean"],
+            "per_fold": pooled.get("per_fold"), "postprocessing": {
+                **pooled["postprocessing"],
+                "keep_largest_component": metrics.decided_groups(pooled["postprocessing"]),
+                "applied_by": "steps.predict, from the model's 'postprocessing' metadata"}}
     out.update(name="unet2d-ensemble",
                folds=[c["training"]["config"]["fold"] for c in cards],
                ensemble={"method": "mean of the folds' softmaxes (nnU-Net v1)",
@@ -133,7 +171,7 @@ def card(cards: list[dict[str, Any]], folders: list[Path],
                                       "exported_manifest_sha256": manifest_digest(f),
                                       "training": c.get("training", {})}
                                      for c, f in zip(cards, folders)]},
-               parity=figures, files={"onnx": predict.ONNX_FILE, "parity": PARITY_FILE})
+               parity=figures, files=files)
     return out
 
 
@@ -146,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="DIR", help="another fold's (repeat for each)")
     p.add_argument("--dataset", required=True, type=Path, metavar="DIR",
                    help="the `dataset` artifact: slices for the parity check")
+    p.add_argument("--pooled", type=Path, metavar="DIR",
+                   help="the folds' `pooled-evaluation` (steps.evaluate pool): its figures "
+                        "go into the card and its postprocessing decision into the model")
     p.add_argument("--ensemble", required=True, type=Path, metavar="DIR",
                    help="output artifact directory (absent or empty)")
     return p
@@ -155,17 +196,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     limits.set_threads()
     folders = [args.exported, *args.with_exported]
+    inputs = {"--dataset": args.dataset, **{f"--exported {f}": f for f in folders}}
     check_disjoint({"--ensemble": args.ensemble},
-                   {"--dataset": args.dataset, **{f"--exported {f}": f for f in folders}})
+                   {**inputs, **({"--pooled": args.pooled} if args.pooled else {})})
     models, cards = read_models(folders)
+    folds = [c["training"]["config"]["fold"] for c in cards]
+    pooled = read_pooled(args.pooled, folds) if args.pooled else None
+    groups = metrics.decided_groups(pooled["postprocessing"]) if pooled else []
     n_classes = len(json.loads(dict((p.key, p.value) for p in models[0].metadata_props)
                                ["labels"]))
     with publish(args.ensemble, "exported", STEP, {"folds": len(folders)}) as out:
-        onnx.save(merged(models), str(out / predict.ONNX_FILE))
+        onnx.save(with_postprocessing(merged(models), groups), str(out / predict.ONNX_FILE))
         figures = parity(out / predict.ONNX_FILE, folders, args.dataset, n_classes)
         (out / PARITY_FILE).write_text(json.dumps(figures, indent=1) + "\n")
         (out / predict.CARD_FILE).write_text(
-            json.dumps(card(cards, folders, figures), indent=1) + "\n")
+            json.dumps(card(cards, folders, figures, pooled), indent=1) + "\n")
+        if args.pooled:     # the release's own copy of the table it was judged by
+            for source, name in ((evaluate.POOLED_FILE, CV_FILE), (evaluate.POOLED_PAGE, CV_PAGE)):
+                shutil.copyfile(args.pooled / source, out / name)
     print(f"ensemble: folds {[c['training']['config']['fold'] for c in cards]} in "
           f"{args.ensemble / predict.ONNX_FILE}; softmax parity {figures['max_abs_softmax_diff']:.2g}",
           file=sys.stderr)

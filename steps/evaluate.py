@@ -249,9 +249,17 @@ def pooled(results: list[dict[str, Any]]) -> dict[str, Any]:
     if odd:
         raise StepError(f"--evaluation: case '{odd}' has other figures than the rest "
                         f"({names})")
+    labels = set(metrics.LABELS.values())
+    short = next((n for n, f in cases.items() if not labels <= set(f["dice"])
+                  or set(f["largest_component"]) != set(metrics.VARIANTS)
+                  or any(not labels <= set(v) for v in f["largest_component"].values())), None)
+    if short:
+        raise StepError(f"--evaluation: case '{short}' lacks a label's Dice, raw or with "
+                        f"largest components kept ({sorted(labels)}, {list(metrics.VARIANTS)})")
     return {"format_version": FORMAT_VERSION, "folds": folds, "cases": cases,
             "per_fold": {str(r["fold"]): {"cases": len(r["cases"]), "mean": r["mean"]}
-                         for r in results}, **means(cases.values())}
+                         for r in results}, **means(cases.values()),
+            "postprocessing": metrics.decide_postprocessing(cases.values())}
 
 
 def pooled_page(result: dict[str, Any]) -> str:
@@ -261,6 +269,7 @@ def pooled_page(result: dict[str, Any]) -> str:
 <h1>{len(result['folds'])} folds pooled: {len(result['cases'])} held-out cases, whole volumes</h1>
 {table(mean_lines(result))}
 <p>Each fold's cases scored by the model that held it out. {EMPTY_RULE}</p>
+{postprocessing_lines(result["postprocessing"])}
 <h2>Folds (our mean)</h2>
 {table(per_fold)}
 <h2>Cases</h2>
@@ -271,6 +280,23 @@ def region_outputs(result: dict[str, Any]) -> dict[str, str]:
     """The mean Dice per BraTS region as the step's output parameters (``dice_wt`` ...)."""
     dice = result["mean"]["dice"]
     return {f"dice_{r.lower()}": f"{dice[r]:.4f}" for r in metrics.REGIONS}
+
+
+def postprocessing_lines(decision: dict[str, Any]) -> str:
+    """The postprocessing decision (metrics.decide_postprocessing) as the page says it."""
+    kept, means = decision["largest_component_labels"], decision["mean_dice"]
+    rows = [(title, means[key]) for key, title in (
+        ("raw", "as predicted"), ("foreground", "the foreground's largest component kept"),
+        ("then_per_label", "then each label's largest component"))]
+    head = "".join(f"<th>Dice {html.escape(n)}</th>" for n in metrics.LABELS.values())
+    body = "".join(f"<tr><th>{html.escape(t)}</th>" + "".join(
+        f"<td>{dice[n]:.4f}</td>" for n in metrics.LABELS.values()) + "</tr>\n"
+        for t, dice in rows)
+    return (f"<h2>Postprocessing (nnU-Net v1's rule, on these pooled cases)</h2>\n"
+            f"<p>Keep the foreground's largest connected component: "
+            f"{'yes' if decision['foreground_largest_component'] else 'no'}; then each "
+            f"label's largest component for: {', '.join(kept) or 'no label'}.</p>\n"
+            f"<table><tr><th></th>{head}</tr>\n{body}</table>")
 
 
 def pool_main(argv: Sequence[str]) -> int:
@@ -362,6 +388,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                              args.mirroring)
         truth = np.asarray(case.label)
         per_case[case.name] = metrics.case_metrics(prediction, truth, case.spacing)
+        per_case[case.name]["largest_component"] = {
+            variant: metrics.label_dice(kept, truth)
+            for variant, kept in metrics.postprocessed(prediction).items()}
         slices.add(case.name, case.image, truth, prediction)
     inference = {"window": list(size), "overlap": args.overlap, "blend": "gaussian, sigma 1/8",
                  "mirroring": args.mirroring}

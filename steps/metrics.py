@@ -85,6 +85,84 @@ def case_metrics(prediction: np.ndarray, truth: np.ndarray,
     return scores
 
 
+# ------------------------------------------------------- postprocessing (nnU-Net v1's)
+# nnU-Net v1 (nnunet/postprocessing/connected_components.py, determine_postprocessing) decides
+# on the pooled cross-validation predictions: first, keep only the largest connected component
+# of the foreground (every label together), if that raises some label's mean Dice and lowers
+# none; then, on that result or the raw one, keep only the largest component of each label,
+# for the labels whose mean Dice it raises. Components are scipy.ndimage.label's (face
+# neighbours), as there. Each case records its labels' Dice under the three variants below;
+# :func:`decide_postprocessing` makes the decision over the pooled cases.
+VARIANTS = ("foreground", "per_label", "foreground_then_per_label")
+
+
+def keep_largest_component(prediction: np.ndarray, labels: Sequence[int]) -> np.ndarray:
+    """A copy of ``prediction`` (D, H, W) whose voxels of ``labels`` (taken together) outside
+    their largest connected component are background."""
+    out = prediction.copy()
+    mask = np.isin(out, labels)
+    components, count = ndimage.label(mask)
+    if count > 1:
+        sizes = np.bincount(components.ravel())[1:]
+        out[mask & (components != int(sizes.argmax()) + 1)] = 0
+    return out
+
+
+def postprocessed(prediction: np.ndarray) -> dict[str, np.ndarray]:
+    """The prediction under each of :data:`VARIANTS`."""
+    foreground = keep_largest_component(prediction, tuple(LABELS))
+    return {"foreground": foreground, "per_label": _each_label(prediction),
+            "foreground_then_per_label": _each_label(foreground)}
+
+
+def _each_label(prediction: np.ndarray) -> np.ndarray:
+    return apply_postprocessing(prediction, [[label] for label in LABELS])
+
+
+def apply_postprocessing(prediction: np.ndarray, groups: Sequence[Sequence[int]]) -> np.ndarray:
+    """``prediction`` (D, H, W) with each group's largest component kept, group by group."""
+    for group in groups:
+        prediction = keep_largest_component(prediction, group)
+    return prediction
+
+
+def decided_groups(decision: dict) -> list[list[int]]:
+    """:func:`decide_postprocessing`'s decision as the label groups to apply, in order
+    (nnU-Net v1's ``for_which_classes``): the foreground, then each chosen label."""
+    ids = {name: label for label, name in LABELS.items()}
+    return ([sorted(LABELS)] if decision["foreground_largest_component"] else []) + [
+        [ids[name]] for name in decision["largest_component_labels"]]
+
+
+def label_dice(prediction: np.ndarray, truth: np.ndarray) -> dict[str, float]:
+    return {name: dice(prediction == label, truth == label) for label, name in LABELS.items()}
+
+
+def decide_postprocessing(cases: Iterable[dict]) -> dict:
+    """nnU-Net v1's decision (above) over cases that each hold ``dice`` per label (raw) and
+    ``largest_component`` (:func:`postprocessed`'s variants' label Dice); means as nnU-Net's,
+    leaving out a label's both-empty cases (keeping components never empties a mask)."""
+    cases = list(cases)
+
+    def mean(variant: str | None) -> dict[str, float]:
+        return {name: float(np.mean(values)) if (values := [
+            (c["dice"] if variant is None else c["largest_component"][variant])[name]
+            for c in cases if name not in c["empty"]]) else float("nan")
+            for name in LABELS.values()}
+
+    raw = mean(None)
+    foreground = mean("foreground")
+    gains = [foreground[n] > raw[n] for n in raw]
+    losses = [foreground[n] < raw[n] for n in raw]
+    whole = any(gains) and not any(losses)
+    before = foreground if whole else raw
+    after = mean("foreground_then_per_label" if whole else "per_label")
+    labels = [n for n in raw if after[n] > before[n]]
+    return {"foreground_largest_component": whole, "largest_component_labels": labels,
+            "mean_dice": {"raw": raw, "foreground": foreground, "then_per_label": after},
+            "rule": "nnU-Net v1 determine_postprocessing, dice_threshold 0"}
+
+
 def mean_over_cases(cases: Iterable[dict], empty_both: str = "count") -> dict[str, dict]:
     """Each figure's mean over cases (:func:`case_metrics`' dicts). ``empty_both="skip"``
     leaves out, per figure, the cases where truth and prediction are both empty, as

@@ -28,7 +28,7 @@ import onnx
 import onnxruntime as ort
 from nibabel.orientations import apply_orientation, io_orientation, ornt_transform
 
-from steps import limits, nifti, schemas
+from steps import limits, metrics, nifti, schemas
 from steps.artifacts import check_disjoint
 from steps.errors import OneLineArgumentParser, StepError, run_main
 from steps.preprocess import (channel_stats, foreground_box, image_channels_last, reorient,
@@ -175,7 +175,24 @@ def read_contract(session, path: Path | str) -> dict[str, Any]:
         contract["labels"] = labels
     schemas.validate(schemas.Contract, contract, where)
     check_contract(session, contract, path)
+    contract["postprocessing"] = read_postprocessing(props, labels, where)
     return contract
+
+
+def read_postprocessing(props: dict[str, str], labels: dict[str, str],
+                        where: str) -> list[list[int]]:
+    """The label groups whose largest component predict keeps (steps.ensemble writes them,
+    schemas.Postprocessing); none for a model without that metadata."""
+    if "postprocessing" not in props:
+        return []
+    where = f"{where} 'postprocessing'"
+    post = schemas.parse_json(props["postprocessing"], where)
+    schemas.validate(schemas.Postprocessing, post, where)
+    groups = post["keep_largest_component"]
+    unknown = sorted({label for g in groups for label in g} - {int(k) for k in labels})
+    if unknown:
+        raise StepError(f"{where}: labels {unknown} are not among the model's {labels}")
+    return groups
 
 
 def check_contract(session, contract: dict[str, Any], path: Path | str) -> None:
@@ -332,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepared = prepare(args.image, contract)
     labels = segment(session, prepared.image, int(contract["size_multiple"]),
                      len(contract["labels"]), args.batch_size)
+    labels = metrics.apply_postprocessing(labels, contract["postprocessing"])
     full = restore(labels, prepared, contract.get("mode", "default"))
     write_label(full, prepared.volume.affine, args.out)
     counts = {contract["labels"].get(str(v), str(v)): int(n)

@@ -36,7 +36,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError,
                       model_validator)
 
-from steps import limits
+from steps import limits, metrics
 from steps.errors import StepError
 from steps.model import MAX_FILTERS
 from steps.params import MAX_SIDE, N_FOLDS
@@ -344,6 +344,8 @@ class CaseFigures(Schema):
     dice: dict[str, Finite]
     hd95: dict[str, Finite]
     empty: list[str]
+    # each label's Dice with largest components kept (steps.metrics.postprocessed)
+    largest_component: dict[Literal[metrics.VARIANTS], dict[str, Finite]]
 
 
 class Means(Schema):
@@ -361,6 +363,30 @@ class Evaluation(Schema):
     cases: dict[str, CaseFigures] = Field(min_length=1)
     mean: Means
     mean_nnunet: Means
+
+
+class PostprocessingDecision(Schema):
+    """``postprocessing`` of ``pooled.json`` (steps.metrics.decide_postprocessing)."""
+    foreground_largest_component: bool
+    largest_component_labels: list[Literal[tuple(metrics.LABELS.values())]]
+
+
+class Pooled(Schema):
+    """``pooled.json`` of the ``pooled-evaluation`` artifact (``steps.evaluate.pooled``), as
+    far as steps.ensemble reads it."""
+    format_version: Literal[1]
+    folds: list[Fold] = Field(min_length=2, max_length=N_FOLDS)
+    cases: dict[str, CaseFigures] = Field(min_length=1)
+    mean: Means
+    postprocessing: PostprocessingDecision
+
+
+class Postprocessing(Schema):
+    """The model's ``postprocessing`` metadata (steps.ensemble, read by steps.predict): label
+    groups, each's largest connected component kept, in order (nnU-Net v1's
+    ``for_which_classes``)."""
+    keep_largest_component: list[list[Annotated[int, Field(ge=1, le=255)]]] = Field(
+        max_length=16)
 
 
 class CacheMark(Schema):

@@ -60,9 +60,9 @@ def test_folds_are_two_or_more_distinct_evaluated_on_one_node(overrides, needle)
         load_config(overrides=overrides)
 
 
-def render_dict(overrides: list[str]) -> dict:
+def render_dict(overrides: list[str], profile: str | None = None) -> dict:
     from workflows.unet import build
-    return build(load_config(overrides=overrides)).to_dict()
+    return build(load_config(profile=profile, overrides=overrides)).to_dict()
 
 
 def test_fp32_8hpu_training_is_the_old_pipelines_profile():
@@ -272,3 +272,19 @@ def test_files_for_other_tools_restate_the_one_bucket_and_region():
     assert not found, found
     storage = load_config().storage
     assert (storage.bucket, storage.region) == (DEFAULT_BUCKET, DEFAULT_REGION)
+
+
+def test_the_cluster_profile_fits_two_pods_on_the_test_node():
+    """cluster/ builds a node of 2 CPUs (config/pipeline.yaml's cluster profile): every step
+    of the profile, the optional ones and the folds' joins too, asks at most 1 CPU and 3 GiB,
+    so two pods share it. (evaluate once asked the base's 4 CPUs: its pods stayed Pending.)"""
+    doc = render_dict(["pipeline.folds=[0,1]",
+                       "pipeline.stages=[download,preprocess,train,convert,quantize,evaluate]"],
+                      "cluster")
+    asked = {t["name"]: t["container"]["resources"]["requests"]
+             for t in doc["spec"]["templates"] if "container" in t}
+    assert {"evaluate", "ensemble", "pool", "quantize"} <= set(asked)
+    for name, requests in asked.items():
+        assert float(requests["cpu"]) <= 1, (name, requests)
+        assert requests["memory"].endswith("Gi") and float(requests["memory"][:-2]) <= 3, \
+            (name, requests)

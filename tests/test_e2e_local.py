@@ -105,6 +105,10 @@ def test_the_ensemble_of_the_folds_is_released_with_parity_and_runs(first_run, s
     assert parity["passed"] is True and parity["max_abs_softmax_diff"] <= 1e-4
     card = json.loads((tmp / "outputs" / "exported" / "model-card.json").read_text())
     assert card["folds"] == list(FOLDS)
+    pooled = json.loads((tmp / "outputs" / "exported" / "cross-validation.json").read_text())
+    assert card["cross_validation"]["mean"] == pooled["mean"]      # the pool's table, released
+    assert {k: card["cross_validation"]["postprocessing"][k] for k in pooled["postprocessing"]} \
+        == pooled["postprocessing"]
     for task in fold_tasks("convert"):
         assert float(nodes_by_task(result)[task]["parameters"]["max-abs-diff"]) <= 1e-3
 
@@ -133,13 +137,18 @@ def test_each_fold_is_evaluated_on_its_held_out_cases_and_the_pool_joins_them(
         evaluation = json.loads((tmp_path / task / "evaluation.json").read_text())
         assert sorted(evaluation["cases"]) == sorted(dataset["folds"][k]["val"])
         assert evaluation["fold"] == k and evaluation["inference"]["mirroring"] is True
-    pooled = json.loads((tmp / "outputs" / "pooled" / "pooled.json").read_text())
+    ref = nodes["pool"]["artifacts"]["pooled"]
+    storage.download_dir(f"s3://{ref['bucket']}/{ref['key']}", tmp_path / "pooled",
+                         client=storage.client())
+    pooled = json.loads((tmp_path / "pooled" / "pooled.json").read_text())
     assert pooled["folds"] == list(FOLDS)
     assert sorted(pooled["cases"]) == sorted(c for k in FOLDS for c in dataset["folds"][k]["val"])
     for region in ("WT", "TC", "ET"):   # the workflow's outputs (globalName)
         value = float(nodes["pool"]["parameters"][f"dice-{region.lower()}"])
         assert 0 <= value <= 1 and value == round(pooled["mean"]["dice"][region], 4)
-    assert (tmp / "outputs" / "pooled" / "pooled.html").read_text().startswith("<!doctype")
+    assert (tmp_path / "pooled" / "pooled.html").read_text().startswith("<!doctype")
+    assert (tmp / "outputs" / "exported" / "cross-validation.html").read_text() == \
+        (tmp_path / "pooled" / "pooled.html").read_text()
 
 
 def test_second_run_takes_data_steps_from_the_memoization_cache(first_run, s3, s3_env):

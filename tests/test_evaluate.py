@@ -209,23 +209,32 @@ def evaluated(tmp_path, dataset, meta, fold: int):
     return out
 
 
-def test_the_pool_joins_the_folds_held_out_cases(labelled, tmp_path):
+@pytest.fixture(scope="module")
+def pool_of_two(labelled, tmp_path_factory):
+    """Folds 0 and 1 evaluated by their oracles, and the two pooled: (evaluations, pooled)."""
+    dataset, meta = labelled
+    tmp = tmp_path_factory.mktemp("pool")
+    folds = [evaluated(tmp, dataset, meta, k) for k in (0, 1)]
+    done = run_step("evaluate", "pool", "--evaluation", *map(str, folds),
+                    "--pooled", str(tmp / "pooled"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return folds, tmp / "pooled"
+
+
+def test_the_pool_joins_the_folds_held_out_cases(labelled, pool_of_two, tmp_path):
     """Two folds' evaluations pooled: every held-out case once, the means over all of them
     first on the page, each fold's below; a fold given twice or scored by models that trained
     on it is refused (one line, exit 2, nothing written)."""
     dataset, meta = labelled
-    folds = [evaluated(tmp_path, dataset, meta, k) for k in (0, 1)]
-    done = run_step("evaluate", "pool", "--evaluation", *map(str, folds),
-                    "--pooled", str(tmp_path / "pooled"))
-    assert done.returncode == 0, done.stderr[-2000:]
-    require(tmp_path / "pooled", "pooled-evaluation")
-    result = json.loads((tmp_path / "pooled" / evaluate.POOLED_FILE).read_text())
+    folds, pooled = pool_of_two
+    require(pooled, "pooled-evaluation")
+    result = json.loads((pooled / evaluate.POOLED_FILE).read_text())
     assert result["folds"] == [0, 1]
     assert sorted(result["cases"]) == sorted(meta["folds"][0]["val"] + meta["folds"][1]["val"])
     assert {k: v["cases"] for k, v in result["per_fold"].items()} == \
         {str(k): len(meta["folds"][k]["val"]) for k in (0, 1)}
     assert set(result["mean"]["dice"].values()) == {1.0}
-    html = (tmp_path / "pooled" / evaluate.POOLED_PAGE).read_text()
+    html = (pooled / evaluate.POOLED_PAGE).read_text()
     assert html.index("<th>mean</th>") < html.index("fold 0, ")
 
     again = run_step("evaluate", "pool", "--evaluation", str(folds[0]), str(folds[0]),
@@ -295,6 +304,51 @@ def test_quantize_keeps_each_members_end_convolutions_in_float(labelled, tmp_pat
     assert quantize.end_convolutions(models[0]) == ["first", "last"]
     assert quantize.end_convolutions(ensemble.merged(models)) == [
         "member0.first", "member0.last", "member1.first", "member1.last"]
+
+
+def test_the_ensemble_carries_the_pooled_figures_and_its_postprocessing(labelled, pool_of_two,
+                                                                       tmp_path):
+    """--pooled: the card holds the folds' cross-validation and the decision; a decision to
+    keep components becomes the model's 'postprocessing' metadata, which predict reads; a
+    pool of other folds is refused."""
+    dataset, meta = labelled
+    folds = [exported(tmp_path / f"f{k}", oracle, meta, k) for k in (0, 1)]
+    pooled = pool_of_two[1]
+    table = json.loads((pooled / evaluate.POOLED_FILE).read_text())
+    assert table["postprocessing"]["largest_component_labels"] == []   # the oracle is exact
+    decided = {**table, "postprocessing": {"foreground_largest_component": True,
+                                           "largest_component_labels": ["enhancing"]}}
+    with publish(tmp_path / "pageless", "pooled-evaluation", "evaluate", {}) as out:
+        (out / evaluate.POOLED_FILE).write_text(json.dumps(decided))
+    pageless = run_step("ensemble", "--exported", str(folds[0]), "--with-exported",
+                        str(folds[1]), "--dataset", str(dataset), "--pooled",
+                        str(tmp_path / "pageless"), "--ensemble", str(tmp_path / "nothing"))
+    assert pageless.returncode == 2 and "pooled.html is missing" in pageless.stderr
+    assert not (tmp_path / "nothing").exists()
+    with publish(tmp_path / "decided", "pooled-evaluation", "evaluate", {}) as out:
+        (out / evaluate.POOLED_FILE).write_text(json.dumps(decided))
+        shutil.copyfile(pooled / evaluate.POOLED_PAGE, out / evaluate.POOLED_PAGE)
+    for source, groups in ((pooled, []), (tmp_path / "decided", [[1, 2, 3], [3]])):
+        out = tmp_path / f"ensemble-{source.name}"
+        done = run_step("ensemble", "--exported", str(folds[0]), "--with-exported",
+                        str(folds[1]), "--dataset", str(dataset), "--pooled", str(source),
+                        "--ensemble", str(out))
+        assert done.returncode == 0, done.stderr[-2000:]
+        card = predict.read_card(out)
+        assert card["cross_validation"]["folds"] == [0, 1]
+        assert card["cross_validation"]["mean"] == table["mean"]
+        assert card["cross_validation"]["postprocessing"]["keep_largest_component"] == groups
+        assert (out / card["files"]["cross_validation"]).read_bytes() == \
+            (source / evaluate.POOLED_FILE).read_bytes()
+        path = out / predict.ONNX_FILE
+        assert predict.read_contract(predict.open_session(path), path)["postprocessing"] == \
+            groups
+    other = run_step("ensemble", "--exported", str(folds[0]), "--with-exported",
+                     str(exported(tmp_path / "f2", oracle, meta, 2)), "--dataset", str(dataset),
+                     "--pooled", str(pooled), "--ensemble", str(tmp_path / "other"))
+    assert other.returncode == 2 and "pools folds [0, 1], the ensemble's are [0, 2]" in \
+        other.stderr, other.stderr
+    assert not (tmp_path / "other").exists()
 
 
 def test_an_ensemble_takes_one_model_per_fold(labelled, tmp_path):

@@ -25,8 +25,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from steps import (convert, dataset, download, evaluate, handoff, predict, preprocess,
-                   schemas, synthetic, train)
+from steps import (convert, dataset, download, evaluate, handoff, metrics, predict,
+                   preprocess, schemas, synthetic, train)
 from steps.artifacts import write_manifest
 from steps.checkpoints import CheckpointStore
 from steps.errors import run_main
@@ -154,7 +154,9 @@ def test_dataset_metadata_reader(data_dir, capsys, doc):
 @settings(**SETTINGS)
 @given(doc=st.data())
 def test_evaluation_reader_and_pool(tmp_path, capsys, doc):
-    figures = {"dice": {"WT": 0.5, "TC": 1.0}, "hd95": {"WT": 2.0}, "empty": ["TC"]}
+    labels = {"edema": 0.5, "non-enhancing": 1.0, "enhancing": 0.25}
+    figures = {"dice": {"WT": 0.5, "TC": 1.0, **labels}, "hd95": {"WT": 2.0}, "empty": ["TC"],
+               "largest_component": {v: labels for v in metrics.VARIANTS}}
     good = {"format_version": 1, "fold": 2, "trained_on_by": 0,
             "cases": {"BRATS_001": figures, "BRATS_002": figures},
             "mean": {"dice": {"WT": 0.5}, "hd95": {"WT": 2.0}},

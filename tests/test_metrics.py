@@ -130,3 +130,58 @@ def test_the_same_numbers_as_monai(seed, spacing):
     for i, region in enumerate(metrics.REGIONS):
         assert ours["dice"][region] == pytest.approx(dice[0, i].item(), abs=1e-6)
         assert ours["hd95"][region] == pytest.approx(hd[0, i].item(), abs=1e-4)
+
+
+# ---------------------------------------------------------------- postprocessing, by hand
+
+def test_the_largest_component_is_kept_by_face_neighbours():
+    """Two blobs of label 1 (4 voxels and 2), a voxel of label 2 touching the big one by an
+    edge only, and a label-3 voxel inside the big blob's face neighbourhood."""
+    volume = np.zeros((1, 5, 6), np.uint8)
+    volume[0, 0, 0:4] = 1            # 4 voxels
+    volume[0, 3, 4:6] = 1            # 2 voxels, apart
+    volume[0, 1, 4] = 2              # touches (0, 3) by an edge only
+    volume[0, 1, 0] = 3              # face neighbour of (0, 0)
+    only_1 = metrics.keep_largest_component(volume, (1,))
+    assert only_1[0, 3, 4:6].tolist() == [0, 0] and only_1[0, 0, 0:4].tolist() == [1] * 4
+    assert only_1[0, 1, 4] == 2 and only_1[0, 1, 0] == 3         # other labels untouched
+    foreground = metrics.keep_largest_component(volume, (1, 2, 3))
+    assert np.argwhere(foreground).tolist() == [[0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 3],
+                                                 [0, 1, 0]]
+    assert volume[0, 3, 4] == 1                                   # a copy, not in place
+    kept = metrics.postprocessed(volume)
+    assert np.array_equal(kept["foreground"], foreground)
+    assert np.array_equal(kept["per_label"], only_1)              # one voxel each of 2 and 3
+    assert np.array_equal(kept["foreground_then_per_label"], foreground)
+
+
+def _case(raw: dict, foreground: dict, per_label: dict, then: dict, empty=()) -> dict:
+    return {"dice": raw, "empty": list(empty), "largest_component": {
+        "foreground": foreground, "per_label": per_label, "foreground_then_per_label": then}}
+
+
+def _labels(edema, core, enhancing) -> dict:
+    return {"edema": edema, "non-enhancing": core, "enhancing": enhancing}
+
+
+def test_the_postprocessing_decision_follows_nnunet_v1():
+    """The foreground's component is kept only if some label gains and none loses; each
+    label's is then kept where its mean gains over the result so far; a label's both-empty
+    cases are left out of its mean."""
+    cases = [_case(_labels(0.8, 0.5, 0.6), _labels(0.9, 0.5, 0.6), _labels(0.8, 0.5, 0.7),
+                   _labels(0.9, 0.5, 0.65)),
+             _case(_labels(0.6, 1.0, 0.4), _labels(0.6, 1.0, 0.4), _labels(0.6, 1.0, 0.4),
+                   _labels(0.6, 1.0, 0.4), empty=["non-enhancing"])]
+    decision = metrics.decide_postprocessing(cases)
+    assert decision["foreground_largest_component"] is True
+    assert decision["mean_dice"]["raw"] == pytest.approx(_labels(0.7, 0.5, 0.5))
+    assert decision["mean_dice"]["foreground"] == pytest.approx(_labels(0.75, 0.5, 0.5))
+    assert decision["mean_dice"]["then_per_label"] == pytest.approx(_labels(0.75, 0.5, 0.525))
+    assert decision["largest_component_labels"] == ["enhancing"]
+    # the foreground's step costs a label: not taken; each label's step then starts from raw
+    cases[1]["largest_component"]["foreground"]["non-enhancing"] = 0.0
+    cases[0]["largest_component"]["foreground"]["non-enhancing"] = 0.4
+    decision = metrics.decide_postprocessing(cases)
+    assert decision["foreground_largest_component"] is False
+    assert decision["mean_dice"]["then_per_label"] == pytest.approx(_labels(0.7, 0.5, 0.55))
+    assert decision["largest_component_labels"] == ["enhancing"]

@@ -176,7 +176,8 @@ def test_folds_fan_out_after_preprocess_and_join_in_the_ensemble_and_the_pool():
     # each fold checkpoints apart: an attempt resumes its own fold only
     assert "/{{workflow.name}}/fold-{{inputs.parameters.fold}}/" in " ".join(
         t["train"]["container"]["args"])
-    assert tasks["ensemble"]["depends"] == " && ".join(f"convert-fold-{k}" for k in folds)
+    assert tasks["ensemble"]["depends"] == " && ".join(
+        [f"convert-fold-{k}" for k in folds] + ["pool"])
     assert tasks["pool"]["depends"] == " && ".join(f"evaluate-fold-{k}" for k in folds)
     assert tasks["quantize"]["depends"] == "ensemble"
     assert {a["name"]: a["from"] for a in tasks["quantize"]["arguments"]["artifacts"]}[
@@ -193,6 +194,9 @@ def test_folds_fan_out_after_preprocess_and_join_in_the_ensemble_and_the_pool():
         "dice-wt", "dice-tc", "dice-et"}
     args = t["ensemble"]["container"]["args"]
     assert args.count("--with-exported") == 4 and "--ensemble" in args
+    assert args[args.index("--pooled") + 1] == "{{inputs.artifacts.pooled.path}}"
+    assert {a["name"]: a["from"] for a in tasks["ensemble"]["arguments"]["artifacts"]}[
+        "pooled"] == "{{tasks.pool.outputs.artifacts.pooled}}"
     assert t["pool"]["container"]["args"][:2] == ["pool", "--evaluation"]
 
 

@@ -528,15 +528,16 @@ def fold_inputs(artifact: str, folds: list[int]) -> list[Artifact]:
 
 def ensemble_template(cfg: Config) -> Container:
     """The folds' models as one (steps.ensemble), an ``exported`` artifact released as the
-    run's model: ``--exported`` the first fold's, ``--with-exported`` each other's."""
+    run's model: ``--exported`` the first fold's, ``--with-exported`` each other's, and the
+    pool's table with its postprocessing decision (``--pooled``)."""
     folds = cfg.pipeline.folds
     paths = [artifact_path(a.name) for a in fold_inputs("exported", folds)]
     args = (["--exported", paths[0]] + [w for p in paths[1:] for w in ("--with-exported", p)]
-            + ["--dataset", artifact_path("dataset"),
+            + ["--dataset", artifact_path("dataset"), "--pooled", artifact_path("pooled"),
                "--ensemble", artifact_path("exported", output=True)])
     return step(cfg, "ensemble", "cpu", args=args, resources="convert", env=extra_env(cfg),
                 inputs=[Parameter(name="image-tag"), *fold_inputs("exported", folds),
-                        directory("dataset")],
+                        directory("dataset"), directory("pooled")],
                 outputs=[directory("exported", output=True),
                          release(cfg, f"{DATA}/exported", "")])
 

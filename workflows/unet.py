@@ -18,7 +18,8 @@ convert --exported--> quantize --quantized--> models/<model_name>/<workflow name
 scored). With ``pipeline.folds`` the DAG fans out after preprocess: per fold k,
 train-fold-k --> convert-fold-k --> evaluate-fold-k; then every fold's exported model -->
 ensemble --exported--> models/<model_name>/<workflow name>/ (and quantize), and every fold's
-evaluation --> pool --pooled--> (the cross-validation table). The templates are
+evaluation --> pool --pooled--> ensemble (the cross-validation table and its postprocessing
+decision). The templates are
 :mod:`workflows.templates`. With ``resources.train.nodes > 1`` train becomes a Kubeflow
 PyTorchJob (see :mod:`workflows.multinode`).
 """
@@ -140,8 +141,9 @@ def build(cfg: Config, kind: str = "workflow") -> Workflow:
 def _folds(wf, cfg: Config, templates: dict, tags: dict, shared: _Wiring) -> None:
     """nnU-Net's cross-validation after preprocess: per fold k, ``train-fold-k`` (fold k
     held out, its own checkpoints) -> ``convert-fold-k`` -> ``evaluate-fold-k``, the folds
-    side by side; then ``ensemble`` (every fold's model as one, released) -> ``quantize``,
-    and ``pool`` (every fold's evaluation as the cross-validation table)."""
+    side by side; then ``pool`` (every fold's evaluation as the cross-validation table and
+    its postprocessing decision) and ``ensemble`` (every fold's model as one, with the pool's
+    figures and decision, released) -> ``quantize``."""
     last: dict[str, list[Task]] = {step: [] for step in t.FOLD_STEPS}
     for k in cfg.pipeline.folds:
         dag = _Wiring.after(shared)
@@ -154,12 +156,13 @@ def _folds(wf, cfg: Config, templates: dict, tags: dict, shared: _Wiring) -> Non
             dag.add(name, task, task)
             last[name].append(task)
     dataset = shared.last["preprocess"].get_artifact("dataset")
-    ensemble = Task(name="ensemble", template=templates["ensemble"], arguments=[
-        tags["data"], *_per_fold(last["convert"], "exported", cfg.pipeline.folds), dataset])
     pool = Task(name="pool", template=templates["pool"], arguments=[
         tags["data"], *_per_fold(last["evaluate"], "evaluation", cfg.pipeline.folds)])
-    last["convert"] >> ensemble
+    ensemble = Task(name="ensemble", template=templates["ensemble"], arguments=[
+        tags["data"], *_per_fold(last["convert"], "exported", cfg.pipeline.folds), dataset,
+        pool.get_artifact("pooled")])
     last["evaluate"] >> pool
+    [*last["convert"], pool] >> ensemble
     if cfg.quantizes:
         quantize = Task(name="quantize", template=templates["quantize"], when=WHEN["quantize"],
                         arguments=t.task_params(wf, cfg, "quantize") + [tags["data"]] + [
