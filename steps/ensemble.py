@@ -53,7 +53,8 @@ def merged(models: list[onnx.ModelProto]) -> onnx.ModelProto:
     nodes, initializers, functions, softmaxes = [], [], {}, []
     for k, model in enumerate(models):
         prefix = predict.MEMBER_PREFIX.format(k)
-        graph = compose.add_prefix(model, prefix).graph
+        prefixed = compose.add_prefix(model, prefix)
+        graph = prefixed.graph
         nodes.append(helper.make_node("Identity", [predict.INPUT_NAME],
                                       [prefix + predict.INPUT_NAME]))
         nodes.extend(graph.node)
@@ -61,7 +62,7 @@ def merged(models: list[onnx.ModelProto]) -> onnx.ModelProto:
         nodes.append(helper.make_node("Softmax", [prefix + predict.OUTPUT_NAME],
                                       [f"{prefix}softmax"], axis=1))
         softmaxes.append(f"{prefix}softmax")
-        for function in compose.add_prefix(model, prefix).functions:
+        for function in prefixed.functions:
             functions[(function.domain, function.name)] = function
     nodes += [helper.make_node("Mean", softmaxes, ["mean_softmax"]),
               helper.make_node("Max", ["mean_softmax", "tiny"], ["floored"]),
@@ -85,9 +86,7 @@ def read_models(folders: list[Path]) -> tuple[list[onnx.ModelProto], list[dict[s
         require(folder, "exported")
         cards.append(predict.read_card(folder))
         path = folder / predict.ONNX_FILE
-        predict.check_graph(path)
-        session = predict.open_session(path)
-        predict.read_contract(session, path)
+        predict.read_contract(predict.open_session(path), path)   # open_session checks the graph
         models.append(onnx.load(str(path)))
     props = [{p.key: p.value for p in m.metadata_props} for m in models]
     for folder, other in zip(folders[1:], props[1:]):
