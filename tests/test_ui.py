@@ -374,13 +374,32 @@ def test_stop_and_delete_leave_no_pod_behind(page, published, argo, shots):
 
 # ---- nnU-Net's folds (issue 49) ---------------------------------------------------------------
 FOLDS = (0, 1, 2, 3, 4)
+KILLED = 2       # the fold whose train pod is deleted mid-run
+
+
+def argo_phase(argo, workflow: str, display_name: str) -> str | None:
+    """The phase Argo's workflow status gives the node ``display_name``."""
+    nodes = (argo.get_workflow(workflow).get("status") or {}).get("nodes") or {}
+    return next((n["phase"] for n in nodes.values() if n["displayName"] == display_name), None)
+
+
+def running_main(workflow: str, node: str) -> str | None:
+    """The pod of Argo node ``node`` once its step runs (Argo v4.0.5 workflowpod.go
+    annotates each pod with its node's name, AnnotationKeyNodeName)."""
+    for pod in pods_of(workflow):
+        if pod["metadata"].get("annotations", {}).get("workflows.argoproj.io/node-name") == \
+                node and any(c["name"] == "main" and "running" in c.get("state", {})
+                             for c in pod["status"].get("containerStatuses", [])):
+            return pod["metadata"]["name"]
+    return None
 
 
 @pytest.mark.beyond_ci
 def test_five_folds_fan_out_side_by_side_and_join_in_the_ensemble_and_the_pool(page, argo,
                                                                                 shots):
     """The cluster profile with ``pipeline.folds`` on 10 tiny cases (2 held out per fold), on
-    Argo's own controller: every fold's train, convert and evaluate Succeeded, at least two
+    Argo's own controller, one fold's train pod deleted while it trains: that train alone is
+    retried; every fold's train, convert and evaluate Succeeded, at least two
     trains ran at the same time (the node has room for two 1-CPU pods), the pool's means are
     the workflow's outputs, the ensemble of the five is the released model. The graph draws
     the fan-out, its middle folds collapsed until clicked (docs/ui/folds.png)."""
@@ -388,12 +407,24 @@ def test_five_folds_fan_out_side_by_side_and_join_in_the_ensemble_and_the_pool(p
                    f"pipeline.folds=[{','.join(map(str, FOLDS))}]",
                    "pipeline.stages=[download,preprocess,train,convert,evaluate]")
     name = argo.create_workflow(doc)["metadata"]["name"]
+    # One fold's train pod deleted while it trains, as an operator or an autoscaler does,
+    # once Argo has it Running: a node still Pending in the workflow whose pod is gone is
+    # submitted again under the same attempt (v4.0.5 operator.go podReconciliation: "If the
+    # node is pending and the pod does not exist ... try to submit it again"), seen here.
+    attempt = f"train-fold-{KILLED}(0)"
+    killed = until(lambda: argo_phase(argo, name, attempt) == "Running"
+                   and running_main(name, f"{name}.{attempt}"), 900,
+                   f"{attempt} to run", every=0.5)
+    kubectl("-n", NAMESPACE, "delete", "pod", killed, "--wait=false")
     wf = wait(argo, name, timeout=1800)
     assert wf["status"]["phase"] == "Succeeded", wf["status"].get("message")
     table = argo_nodes(wf)
     per_fold = [f"{step}-fold-{k}" for k in FOLDS for step in ("train", "convert", "evaluate")]
     assert {t: table[t]["phase"] for t in [*per_fold, "ensemble", "pool"]} == dict.fromkeys(
         [*per_fold, "ensemble", "pool"], "Succeeded")
+    # that fold's train alone ran again: its retry, every other node one attempt
+    assert {t: table[t]["attempts"] for t in per_fold} == {
+        t: 2 if t == f"train-fold-{KILLED}" else 1 for t in per_fold}
     trains = sorted((n["startedAt"], n["finishedAt"]) for n in wf["status"]["nodes"].values()
                     if re.fullmatch(r"train-fold-\d", n["displayName"]))
     assert any(later[0] < earlier[1] for earlier, later in zip(trains, trains[1:])), trains
