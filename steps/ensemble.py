@@ -148,7 +148,7 @@ def with_postprocessing(model: onnx.ModelProto, groups: list[list[int]]) -> onnx
 
 
 def card(cards: list[dict[str, Any]], folders: list[Path], figures: dict[str, Any],
-         pooled: dict[str, Any] | None) -> dict[str, Any]:
+         pooled: dict[str, Any] | None, groups: list[list[int]]) -> dict[str, Any]:
     """The ensemble's model card: the first fold's, with the folds listed in place of one
     training run, and their pooled cross-validation with its postprocessing decision."""
     out = {k: v for k, v in cards[0].items() if k not in ("training", "parity", "provenance")}
@@ -159,7 +159,7 @@ def card(cards: list[dict[str, Any]], folders: list[Path], figures: dict[str, An
             "folds": pooled["folds"], "cases": len(pooled["cases"]), "mean": pooled["mean"],
             "per_fold": pooled.get("per_fold"), "postprocessing": {
                 **pooled["postprocessing"],
-                "keep_largest_component": metrics.decided_groups(pooled["postprocessing"]),
+                "keep_largest_component": groups,
                 "applied_by": "steps.predict, from the model's 'postprocessing' metadata"}}
     out.update(name="unet2d-ensemble",
                folds=[c["training"]["config"]["fold"] for c in cards],
@@ -209,11 +209,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         figures = parity(out / predict.ONNX_FILE, folders, args.dataset, n_classes)
         (out / PARITY_FILE).write_text(json.dumps(figures, indent=1) + "\n")
         (out / predict.CARD_FILE).write_text(
-            json.dumps(card(cards, folders, figures, pooled), indent=1) + "\n")
+            json.dumps(card(cards, folders, figures, pooled, groups), indent=1) + "\n")
         if args.pooled:     # the release's own copy of the table it was judged by
             for source, name in ((evaluate.POOLED_FILE, CV_FILE), (evaluate.POOLED_PAGE, CV_PAGE)):
                 shutil.copyfile(args.pooled / source, out / name)
-    print(f"ensemble: folds {[c['training']['config']['fold'] for c in cards]} in "
+    print(f"ensemble: folds {folds} in "
           f"{args.ensemble / predict.ONNX_FILE}; softmax parity {figures['max_abs_softmax_diff']:.2g}",
           file=sys.stderr)
     return 0

@@ -195,8 +195,7 @@ def step_outputs(cfg: Config, step_name: str) -> list:
                  archive=NoneArchiveStrategy()) for name, file in io.files.items()]
     if io.release is not None and not per_fold:
         out.append(release(cfg, f"{DATA}/{io.writes}", io.release))
-    folder = f"{artifact_path(io.writes, output=True)}/{params.OUTPUTS_DIR}"
-    return out + result_parameters(folder, io.outputs, not per_fold)
+    return out + result_parameters(io.writes, io.outputs, not per_fold)
 
 
 def release(cfg: Config, path: str, suffix: str) -> S3Artifact:
@@ -206,8 +205,10 @@ def release(cfg: Config, path: str, suffix: str) -> S3Artifact:
                           "{{workflow.name}}" + suffix)
 
 
-def result_parameters(folder: str, names, workflow_outputs: bool = True) -> list[Parameter]:
-    """Output parameters from the files ``folder/<name>``, also the workflow's outputs."""
+def result_parameters(artifact: str, names, workflow_outputs: bool = True) -> list[Parameter]:
+    """Output parameters from the files ``<artifact>/OUTPUTS_DIR/<name>`` that a step writes
+    under its output artifact, also the workflow's outputs."""
+    folder = f"{artifact_path(artifact, output=True)}/{params.OUTPUTS_DIR}"
     return [Parameter(name=n.replace("_", "-"), value_from=m.ValueFrom(path=f"{folder}/{n}"),
                       global_name=n.replace("_", "-") if workflow_outputs else None)
             for n in names]
@@ -530,14 +531,14 @@ def ensemble_template(cfg: Config) -> Container:
     """The folds' models as one (steps.ensemble), an ``exported`` artifact released as the
     run's model: ``--exported`` the first fold's, ``--with-exported`` each other's, and the
     pool's table with its postprocessing decision (``--pooled``)."""
-    folds = cfg.pipeline.folds
-    paths = [artifact_path(a.name) for a in fold_inputs("exported", folds)]
+    exported = fold_inputs("exported", cfg.pipeline.folds)
+    paths = [artifact_path(a.name) for a in exported]
     args = (["--exported", paths[0]] + [w for p in paths[1:] for w in ("--with-exported", p)]
             + ["--dataset", artifact_path("dataset"), "--pooled", artifact_path("pooled"),
                "--ensemble", artifact_path("exported", output=True)])
     return step(cfg, "ensemble", "cpu", args=args, resources="convert", env=extra_env(cfg),
-                inputs=[Parameter(name="image-tag"), *fold_inputs("exported", folds),
-                        directory("dataset"), directory("pooled")],
+                inputs=[Parameter(name="image-tag"), *exported, directory("dataset"),
+                        directory("pooled")],
                 outputs=[directory("exported", output=True),
                          release(cfg, f"{DATA}/exported", "")])
 
@@ -545,12 +546,11 @@ def ensemble_template(cfg: Config) -> Container:
 def pool_template(cfg: Config) -> Container:
     """The folds' evaluations pooled into the cross-validation table (steps.evaluate pool);
     its means, named as one evaluation's, are the workflow's outputs."""
-    folds = cfg.pipeline.folds
-    evaluations = fold_inputs("evaluation", folds)
+    evaluations = fold_inputs("evaluation", cfg.pipeline.folds)
     args = (["pool", "--evaluation", *[artifact_path(a.name) for a in evaluations],
              "--pooled", artifact_path("pooled", output=True)])
-    folder = f"{artifact_path('pooled', output=True)}/{params.OUTPUTS_DIR}"
     return step(cfg, "pool", "cpu", command=["python", "-m", "steps.evaluate"], args=args,
                 resources="evaluate", env=extra_env(cfg),
                 inputs=[Parameter(name="image-tag"), *evaluations],
-                outputs=[directory("pooled", output=True), *result_parameters(folder, params.IO["evaluate"].outputs)])
+                outputs=[directory("pooled", output=True),
+                         *result_parameters("pooled", params.IO["evaluate"].outputs)])
