@@ -5,9 +5,9 @@ fixture (``AWS_ENDPOINT_URL`` set, as with the docker-compose MinIO). The first 
 over two folds (``pipeline.folds``: each fold trained, converted and evaluated, then the
 folds' ensemble released and their evaluations pooled); a second run with the same data
 inputs, one train on one fold, must take download and preprocess from the memoization cache.
-(Killing the train node and resuming it on retry is in tests/faults/; a missed INT8 gate
-failing the workflow with the FP32 model released is in tests/test_cluster.py, on the real
-controller and on this emulator side by side.)
+(Killing one fold's train and resuming it on retry is in tests/faults/test_killed_run.py; a
+missed INT8 gate failing the workflow with the FP32 model released is in tests/test_cluster.py,
+on the real controller and on this emulator side by side.)
 """
 from __future__ import annotations
 

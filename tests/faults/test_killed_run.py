@@ -1,4 +1,5 @@
-"""One real ``run --local`` DAG whose train process is SIGKILLed mid-epoch, then retried.
+"""One real ``run --local`` DAG, fanned out over two folds, whose fold-1 train process is
+SIGKILLed mid-epoch, then retried: that fold's train alone runs again, from its checkpoint.
 
 The same run is scanned for its credentials: compiled YAML, logs, run record and every stored
 object. Its trained weights are compared with an uninterrupted bare ``steps.train`` run on
@@ -37,12 +38,15 @@ OVERRIDES = [
     "train.patience=0", "train.seed=7", "train.checkpoint_minutes=0.0001",
     f"storage.bucket={BUCKET}", "retry.limit=1",
     "resources.extra_env={OMP_NUM_THREADS: '1'}",   # the bare run below uses the same
-    "pipeline.stages=[download,preprocess,train,convert]",  # no INT8 gate for 16 steps
+    "pipeline.stages=[download,preprocess,train,convert,evaluate]",  # no INT8 gate: 16 steps
+    "pipeline.folds=[0,1]",
 ]
+KILLED = 1                      # the fold whose train is killed
+TRAIN = f"train-fold-{KILLED}"
 
 
 def _train_pids(run_dir: Path) -> list[int]:
-    """The steps.train processes of this run (found by their command line)."""
+    """The steps.train processes of this run's fold KILLED (found by their command line)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -51,14 +55,15 @@ def _train_pids(run_dir: Path) -> list[int]:
             cmd = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"steps.train" in cmd and any(str(run_dir).encode() in part for part in cmd):
+        if b"steps.train" in cmd and any(str(run_dir).encode() in part for part in cmd) \
+                and cmd[cmd.index(b"--fold") + 1] == str(KILLED).encode():
             pids.append(int(entry.name))
     return pids
 
 
 def _latest_step(client) -> int | None:
     found = client.list_objects_v2(Bucket=BUCKET, Prefix="checkpoints/").get("Contents", [])
-    latest = [o["Key"] for o in found if o["Key"].endswith("/latest")]
+    latest = [o["Key"] for o in found if o["Key"].endswith(f"/fold-{KILLED}/latest")]
     if not latest:
         return None
     text = client.get_object(Bucket=BUCKET, Key=latest[0])["Body"].read().decode()
@@ -118,7 +123,7 @@ def _bare_train_args(workflow: dict) -> list[str]:
     templates = {t["name"]: t for t in workflow["spec"]["templates"]}
     wf_params = {p["name"]: p.get("value", "") for p in workflow["spec"]["arguments"]["parameters"]}
     task = next(t for tmpl in templates.values() for t in (tmpl.get("dag") or {}).get("tasks", [])
-                if t["name"] == "train")
+                if t["name"] == TRAIN)
     inputs = {p["name"]: re.sub(r"\{\{workflow\.parameters\.([\w-]+)\}\}",
                                 lambda m: wf_params[m.group(1)], p["value"])
               for p in task["arguments"]["parameters"]}
@@ -133,8 +138,13 @@ def _state(path: Path) -> dict:
 def test_killed_train_resumes_and_matches_an_uninterrupted_run(killed_run, s3, tmp_path):
     result, killed_at = killed_run["result"], killed_run["killed_at"]
     assert result.succeeded, result.message
-    train = result.node("train")
+    train = result.node(TRAIN)
     assert train.attempts == 2 and train.phase == "Succeeded"
+    # that fold's train alone ran again; the other fold, the pool and the ensemble once each
+    assert {n.task: n.attempts for n in result.nodes if n.task != TRAIN} == {
+        n.task: 1 for n in result.nodes if n.task != TRAIN}
+    assert {"train-fold-0", "evaluate-fold-1", "pool", "ensemble"} <= {
+        n.task for n in result.nodes if n.phase == "Succeeded"}
     log = Path(train.log_path).read_text()
     resumed = int(re.search(r"step (\d+)", log.split("resum", 1)[1]).group(1))
     assert killed_at - STEPS_PER_EPOCH <= resumed <= killed_at  # lost at most one epoch
