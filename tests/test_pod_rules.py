@@ -134,6 +134,12 @@ def test_a_retry_deadline_shorter_than_the_attempts_is_flagged():
         tmpl.pop("activeDeadlineSeconds", None)
     assert any("template download has no activeDeadlineSeconds" in p
                for p in deadlines(doc))
+    _templates(doc)["download"]["activeDeadlineSeconds"] = 600
+    _templates(doc)["train"]["timeout"] = "72h"      # counts while queued: refused
+    _templates(doc)["train"]["activeDeadlineSeconds"] = 3600
+    assert [p for p in deadlines(doc) if "template train" in p] == [
+        "pods: template train has a timeout, which fails its pod while it waits Pending for "
+        "room; use activeDeadlineSeconds"]
 
 
 def test_the_multinode_job_has_deadlines_inside_argos():

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from real_cluster import (ARGO_CA, ARGO_URL, CFG, NAMESPACE, REQUIRED, argo_nodes, cli,
-                          compiled, kubectl, pods_of, request, until, wait)
+from real_cluster import (ARGO_CA, ARGO_URL, BUCKET, CFG, NAMESPACE, REQUIRED, argo_nodes, cli,
+                          compiled, kubectl, pods_of, request, unique, until, wait)
 
 try:
     from playwright.sync_api import TimeoutError as NoDialog, sync_playwright
@@ -383,6 +383,22 @@ def argo_phase(argo, workflow: str, display_name: str) -> str | None:
     return next((n["phase"] for n in nodes.values() if n["displayName"] == display_name), None)
 
 
+def task_nodes_by_name(wf: dict) -> dict[str, dict]:
+    """Every node of ``wf`` by its display name."""
+    return {n["displayName"]: n for n in wf["status"]["nodes"].values()}
+
+
+def queued_train(argo, workflow: str) -> str | None:
+    """The last fold's train attempt that Argo shows Pending because the node has no CPU left
+    for it: Argo copies the scheduler's reason into the node's message (v4.0.5 operator.go
+    getPendingReason: "Unschedulable: 0/1 nodes are available: 1 Insufficient cpu. ...")."""
+    nodes = (argo.get_workflow(workflow).get("status") or {}).get("nodes") or {}
+    queued = sorted(n["displayName"] for n in nodes.values()
+                    if re.fullmatch(r"train-fold-\d\(0\)", n["displayName"])
+                    and n["phase"] == "Pending" and "Insufficient cpu" in n.get("message", ""))
+    return queued[-1] if queued else None
+
+
 def running_main(workflow: str, node: str) -> str | None:
     """The pod of Argo node ``node`` once its step runs (Argo v4.0.5 workflowpod.go
     annotates each pod with its node's name, AnnotationKeyNodeName)."""
@@ -407,6 +423,15 @@ def test_five_folds_fan_out_side_by_side_and_join_in_the_ensemble_and_the_pool(p
                    f"pipeline.folds=[{','.join(map(str, FOLDS))}]",
                    "pipeline.stages=[download,preprocess,train,convert,evaluate]")
     name = argo.create_workflow(doc)["metadata"]["name"]
+    # Five 1-CPU trains on a 2-CPU node: the scheduler keeps some Pending, queued, not failed
+    # (a pod's activeDeadlineSeconds counts from its start on the node, which a queued pod
+    # has not had: kubelet active_deadline.go); the graph shows the wait and its reason.
+    queued = until(lambda: queued_train(argo, name), 900, "a train queued for CPU", every=0.5)
+    page.goto(f"/workflows/{NAMESPACE}/{name}")
+    graph_node(page, f"{len(FOLDS) - 2} hidden nodes").first.click()
+    text = node_info(page, queued).inner_text()
+    assert "Pending" in text and "Insufficient cpu" in text, text
+    page.screenshot(path=shots / "queued.png", full_page=True)
     # One fold's train pod deleted while it trains, as an operator or an autoscaler does,
     # once Argo has it Running: a node still Pending in the workflow whose pod is gone is
     # submitted again under the same attempt (v4.0.5 operator.go podReconciliation: "If the
@@ -444,3 +469,54 @@ def test_five_folds_fan_out_side_by_side_and_join_in_the_ensemble_and_the_pool(p
             graph_node(page, f"{step}-fold-{k}").first.wait_for()
     assert "Succeeded" in node_info(page, "pool").inner_text()
     page.screenshot(path=shots / "folds.png", full_page=True)
+
+
+@pytest.mark.beyond_ci
+def test_a_fold_that_fails_for_good_is_retried_alone_from_the_ui(page, argo, store, shots):
+    """Two folds; fold 1's checkpoint pointer damaged before its train starts (an object in
+    the user's S3 that they can repair): that train exits 2 at once with the line naming the
+    object, is not retried, and the workflow Fails with it once fold 0 has run to its end
+    (what needs fold 1 is omitted). The pointer removed, RETRY in the UI: fold 1's train and
+    what follows it run and the DAG completes; fold 0's nodes are kept as they were
+    (docs/ui/fold-retried.png)."""
+    name = unique("unet-fold-retry")
+    doc = compiled("download.source=synthetic://?cases=10&shape=32x32x16&seed=0",
+                   "pipeline.folds=[0,1]",
+                   "pipeline.stages=[download,preprocess,train,convert,evaluate]", name=name)
+    pointer = f"{CFG.storage.checkpoint_prefix}/{name}/fold-1/latest"
+    store.client().put_object(Bucket=BUCKET, Key=pointer, Body=b"not-a-checkpoint\n")
+    argo.create_workflow(doc)
+    wf = wait(argo, name, timeout=1800)
+    assert wf["status"]["phase"] == "Failed", wf["status"].get("message")
+    before = argo_nodes(wf)
+    assert before["train-fold-1"]["exit_codes"] == [2], before["train-fold-1"]  # not retried
+    fold_0 = ("train-fold-0", "convert-fold-0", "evaluate-fold-0")
+    assert {t: before[t]["phase"] for t in fold_0} == dict.fromkeys(fold_0, "Succeeded")
+    fault = (f"checkpoint pointer s3://{BUCKET}/{pointer} names 'not-a-checkpoint', "
+             "not a checkpoint file")
+    attempt = next(n for n in wf["status"]["nodes"].values()
+                   if n["displayName"] == "train-fold-1(0)")
+    assert attempt["message"] == f"main: Error (exit code 2): error: {fault}", attempt
+    page.goto(f"/workflows/{NAMESPACE}/{name}")
+    assert fault in node_info(page, "train-fold-1(0)").inner_text()
+    page.screenshot(path=shots / "fold-failed.png", full_page=True)
+
+    store.client().delete_object(Bucket=BUCKET, Key=pointer)
+    toolbar(page, "RETRY")
+    press_button(page.locator(".sliding-panel"), "Retry")
+    until(lambda: argo.get_workflow(name)["status"].get("phase") == "Running", 180,
+          "the retry", every=1)
+    retried = wait(argo, name, timeout=1800)
+    assert retried["status"]["phase"] == "Succeeded", retried["status"].get("message")
+    after, nodes = argo_nodes(retried), task_nodes_by_name(retried)
+    first = task_nodes_by_name(wf)
+    assert {t: nodes[t]["startedAt"] for t in fold_0} == {
+        t: first[t]["startedAt"] for t in fold_0}, "fold 0 ran again"
+    assert [after[t]["attempts"] for t in fold_0] == [1, 1, 1]
+    assert after["train-fold-1"]["phase"] == "Succeeded"
+    assert after["train-fold-1"]["exit_codes"][-1] == 0
+    assert after["ensemble"]["phase"] == after["pool"]["phase"] == "Succeeded"
+    page.reload()
+    graph_node(page, "ensemble").first.wait_for()
+    page.screenshot(path=shots / "fold-retried.png", full_page=True)
+

@@ -7,9 +7,12 @@ systems (argo-workflows v4.1.2, kubeflow/training-operator v1.9.0):
   artifacts and the template's volumes. A path on no declared volume lies in the image's
   root-owned filesystem (or in a directory that runc made as root for an input mount), so
   the step cannot create it. Every output path must be on a declared, writable volume.
-- **deadlines**: every step has ``activeDeadlineSeconds`` (or ``timeout``), and a retry
-  ``backoff.maxDuration`` (counted by the controller from the first attempt's start, and
-  enforced on later attempts) must leave room for every attempt to run to its deadline.
+- **deadlines**: every step has ``activeDeadlineSeconds``, which the kubelet counts from the
+  pod's start on the node, so a pod queued for room is never failed by it; not a template
+  ``timeout``, which the controller counts from the node's start and fails while it is still
+  Pending (v4.0.5 operator.go checkTemplateTimeout). A retry ``backoff.maxDuration``
+  (counted by the controller from the first attempt's start, and enforced on later attempts)
+  must leave room for every attempt to run to its deadline.
 - **multi-node job**: the PyTorchJob's ``nprocPerNode`` is the step's ``--devices`` and its
   pod count the step's ``--nodes``; pods can fail (not ``OnFailure``/``Always``); the failure
   condition reads ``status.conditions`` (a job failed by ``backoffLimit`` or its deadline only
@@ -151,9 +154,10 @@ def _seconds(tmpl: dict, field: str, value) -> float:
 
 
 def _deadline(tmpl: dict) -> float | None:
-    values = [_seconds(tmpl, k, tmpl[k]) for k in ("activeDeadlineSeconds", "timeout")
-              if tmpl.get(k) not in (None, "") and "{{" not in str(tmpl[k])]
-    return min(values) if values else None
+    value = tmpl.get("activeDeadlineSeconds")
+    if value in (None, "") or "{{" in str(value):
+        return None
+    return _seconds(tmpl, "activeDeadlineSeconds", value)
 
 
 def _backoff_total(tmpl: dict, attempts: int) -> float:
@@ -174,8 +178,11 @@ def deadlines(doc: dict) -> list[str]:
             continue
         deadline = _deadline(tmpl)
         if deadline is None:
-            problems.append(f"pods: template {tmpl['name']} has no activeDeadlineSeconds or "
-                            "timeout; a hung step would hold its node forever")
+            problems.append(f"pods: template {tmpl['name']} has no activeDeadlineSeconds; a "
+                            "hung step would hold its node forever")
+        if tmpl.get("timeout"):
+            problems.append(f"pods: template {tmpl['name']} has a timeout, which fails its "
+                            "pod while it waits Pending for room; use activeDeadlineSeconds")
         retry = tmpl.get("retryStrategy") or {}
         cutoff = (retry.get("backoff") or {}).get("maxDuration")
         if not cutoff:
