@@ -79,7 +79,7 @@ def _artifact_bytes(objects: dict[str, tuple[int, str]], ref) -> int:
     return sum(size for key, (size, _) in objects.items() if key.startswith(prefix))
 
 
-def _inputs(workflow: dict) -> dict[str, list[tuple[str, str]]]:
+def inputs_of(workflow: dict) -> dict[str, list[tuple[str, str]]]:
     """Task → the (task, artifact) pairs it takes, from its ``from`` references."""
     dag = next(t["dag"] for t in workflow["spec"]["templates"] if "dag" in t)
     taken = {}
@@ -125,7 +125,7 @@ def _point(result: RunResult, workflow: dict, objects: dict) -> dict:
                for n in result.nodes}
     steps = {}
     for node in result.nodes:
-        read = sum(written[task][name] for task, name in _inputs(workflow)[node.task])
+        read = sum(written[task][name] for task, name in inputs_of(workflow)[node.task])
         steps[node.task] = {"wall_s": node.step_seconds, "node_s": node.seconds,
                             "around_s": node.seconds - node.step_seconds,
                             "cpu_s": node.cpu_seconds, "peak_rss_bytes": node.max_rss_bytes,

@@ -39,7 +39,7 @@ _AWS_OVERRIDES = ("AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE",
 # In this order; the faults of test_chaos.py last, where what they leave behind (a controller
 # that restarted, its metrics reset) meets no other test.
 CLUSTER_MODULES = ("test_cluster.py", "test_multinode.py", "test_ui.py", "test_versions.py",
-                   "test_chaos.py")
+                   "test_chaos.py", "test_scale_cluster.py")
 CLUSTER_UNIT = "the real cluster"
 
 

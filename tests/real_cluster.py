@@ -16,6 +16,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -546,3 +547,80 @@ def empty_dir_bytes(uid: str) -> int:
             except FileNotFoundError:    # torn down while counted
                 pass
     return total
+
+
+# ---- what a pod uses on the node (issue 47) ---------------------------------------------------
+CGROUPS = Path("/sys/fs/cgroup")
+# The kubelet's cgroupRoot (cluster/README.md) and, under it, a pod's cgroup as the cgroupfs
+# driver names it: kubepods/pod<uid> for a Guaranteed pod, kubepods/<qos>/pod<uid> otherwise
+# (Kubernetes v1.35 pkg/kubelet/cm/pod_container_manager_linux.go GetPodContainerName,
+# GetPodCgroupNameSuffix).
+KUBEPODS = ("unet-cluster", "kubepods")
+
+
+def pod_cgroup(hierarchy: str, uid: str) -> Path | None:
+    """A pod's cgroup in the cgroup v1 ``hierarchy`` (memory, cpuacct), while it exists."""
+    base = CGROUPS.joinpath(hierarchy, *KUBEPODS)
+    for path in (base / f"pod{uid}", base / "burstable" / f"pod{uid}",
+                 base / "besteffort" / f"pod{uid}"):
+        if path.is_dir():
+            return path
+    return None
+
+
+def _read_int(path: Path, field: str = "") -> int | None:
+    """An integer file of a cgroup, or ``field``'s value in a key-value one; None once gone."""
+    try:
+        content = path.read_text()
+    except OSError:
+        return None
+    if not field:
+        return int(content)
+    return next((int(line.split()[1]) for line in content.splitlines()
+                 if line.split()[0] == field), None)
+
+
+class PodUsage(threading.Thread):
+    """Samples every pod on the node every ``every`` seconds: its cgroup's memory high-water
+    mark (v1 ``memory.max_usage_in_bytes``: the page cache of what it read and wrote counts
+    in it), its anonymous memory (``memory.stat`` ``total_rss``, anonymous and swap cache: the
+    largest of the samples), its CPU time (``cpuacct.usage``) and its emptyDirs' bytes on the
+    node. By pod
+    uid, the largest value each had; a pod's cgroup is gone soon after it ends, so its last
+    sample stands for its end."""
+
+    FIELDS = ("memory_peak_bytes", "anon_peak_bytes", "cpu_s", "disk_peak_bytes")
+
+    def __init__(self, every: float = 0.5):
+        super().__init__(daemon=True)
+        self.every, self.usage = every, {}
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            try:
+                uids = os.listdir(STATE / "kubelet" / "pods")
+            except OSError:
+                uids = []
+            for uid in uids:
+                self.sample(uid)
+            self.halt.wait(self.every)
+
+    def sample(self, uid: str) -> None:
+        memory, cpu = pod_cgroup("memory", uid), pod_cgroup("cpuacct", uid)
+        usage = (_read_int(memory / "memory.max_usage_in_bytes") if memory else None,
+                 _read_int(memory / "memory.stat", "total_rss") if memory else None,
+                 (_read_int(cpu / "cpuacct.usage") or 0) / 1e9 if cpu else None,
+                 empty_dir_bytes(uid))
+        seen = self.usage.setdefault(uid, dict.fromkeys(self.FIELDS, 0))
+        for field, value in zip(self.FIELDS, usage):
+            if value is not None:
+                seen[field] = max(seen[field], value)
+
+    def __enter__(self) -> "PodUsage":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.halt.set()
+        self.join()
