@@ -7,7 +7,6 @@ int labels.
 from __future__ import annotations
 
 import html
-import json
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +65,23 @@ def plot_overlays(samples: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def summary_rows(metrics: dict[str, Any], label_names: dict[str, str]) -> str:
+    """The table the report opens with: the best epoch's mean Dice and Dice per label, and
+    where the run trained, as HTML rows (header cell, value)."""
+    best = next((e for e in metrics["epochs"] if e["epoch"] == metrics.get("best_epoch")
+                 and "dice" in e), None)
+    rows = [("best mean Dice", f"{metrics['best_mean_dice']:.4f} (epoch {best['epoch']})"
+             if best else "– (not validated)")]
+    rows += [(f"Dice {name}", f"{best['dice'][c]:.4f}" if best else "–")
+             for c, name in label_names.items()]
+    processes = metrics.get("world_size", 1)
+    rows.append(("trained on", f"{metrics.get('device', '?')}, {metrics.get('precision', '?')}, "
+                               f"{processes} process{'es' if processes != 1 else ''}, "
+                               f"{len(metrics['epochs'])} epochs"))
+    return "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+                   for k, v in rows)
+
+
 def write_report(out: Path, metrics: dict[str, Any], label_names: dict[str, str],
                  samples: list[dict[str, Any]]) -> None:
     """Write ``curves.png``, ``overlays.png`` and ``report.html`` (which shows them by their
@@ -84,14 +100,13 @@ def write_report(out: Path, metrics: dict[str, Any], label_names: dict[str, str]
             e["epoch"], f"{e['loss']:.4f}", *dice(e), f"{e['img_per_s']:.1f}",
             f"{e['seconds']:.1f}")) + "</tr>" for e in epochs)
     heads = "".join(f"<th>Dice {html.escape(n)}</th>" for n in label_names.values())
-    summary = {k: metrics[k] for k in ("best_epoch", "best_mean_dice", "device", "world_size",
-                                       "precision") if k in metrics}
+    summary = summary_rows(metrics, label_names)
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>U-Net training report</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}</style></head><body>
 <h1>U-Net training report</h1>
-<pre>{html.escape(json.dumps(summary, indent=1))}</pre>
+<table class="summary">{summary}</table>
 <h2>Curves</h2><img src="curves.png" alt="loss and Dice curves">
 <h2>Epochs</h2>
 <table><tr><th>epoch</th><th>loss</th><th>mean Dice</th>{heads}<th>img/s</th><th>s</th></tr>

@@ -67,7 +67,12 @@ def test_cpu_run_learns_and_publishes_the_model_artifact(dataset, tmp_path):
     assert float(outputs["mean_dice"]) == pytest.approx(metrics["best_mean_dice"], abs=1e-4)
     assert int(outputs["best_epoch"]) == metrics["best_epoch"]
     assert float(outputs["img_per_s"]) > 0
-    assert "curves.png" in (model / "report" / "report.html").read_text()
+    page = (model / "report" / "report.html").read_text()
+    assert "curves.png" in page and "<pre>" not in page     # opens with a table, no JSON dump
+    best_epoch = next(e for e in metrics["epochs"] if e["epoch"] == metrics["best_epoch"])
+    assert (f"<tr><th>best mean Dice</th><td>{metrics['best_mean_dice']:.4f} "
+            f"(epoch {metrics['best_epoch']})</td></tr>") in page
+    assert f"<tr><th>Dice edema</th><td>{best_epoch['dice']['1']:.4f}</td></tr>" in page
     assert (model / "report" / "overlays.png").stat().st_size > 1000
 
     # The published weights reproduce the recorded Dice (2D inference over whole volumes).

@@ -251,13 +251,10 @@ def test_submit_from_the_form_runs_the_dag_and_the_graph_shows_every_step(page, 
     page.screenshot(path=shots / "dag.png")
 
 
-def test_the_report_and_the_model_open_through_the_artifact_proxy(page, form_run, argo, shots):
-    """The training report (HTML with its curves) renders from train's ``report`` artifact,
-    and the released ONNX model downloads, both through argo server's artifact proxy with the
-    repository credentials of the namespace's Secret, as the UI links them."""
-    name = form_run["metadata"]["name"]
-    nodes = task_nodes(form_run)
-    page.goto(f"/workflows/{NAMESPACE}/{name}")
+def open_report(page, workflow: str) -> None:
+    """From the workflow's page, train's ``report`` artifact as the UI links it (the node's
+    INPUTS/OUTPUTS tab), its folder listing, then report.html with both figures loaded."""
+    page.goto(f"/workflows/{NAMESPACE}/{workflow}")
     info = node_info(page, "train(0)")
     info.get_by_text(re.compile("^\\s*INPUTS/OUTPUTS\\s*$", re.I)).first.click()
     href = info.locator("a[href*='/outputs/report']").first.get_attribute("href")
@@ -269,7 +266,16 @@ def test_the_report_and_the_model_open_through_the_artifact_proxy(page, form_run
     until(lambda: page.evaluate(
         "[...document.images].every(i => i.complete && i.naturalWidth > 0)"),
         30, "the report's figures", every=1)
-    page.screenshot(path=shots / "report.png", full_page=True)
+
+
+def test_the_report_and_the_model_open_through_the_artifact_proxy(page, form_run, argo, shots):
+    """The training report (HTML with its curves) renders from train's ``report`` artifact,
+    and the released ONNX model downloads, both through argo server's artifact proxy with the
+    repository credentials of the namespace's Secret, as the UI links them."""
+    name = form_run["metadata"]["name"]
+    nodes = task_nodes(form_run)
+    open_report(page, name)
+    page.screenshot(path=shots / "report-smoke.png", full_page=True)  # docs: the learned one
     convert = next(n for n in form_run["status"]["nodes"].values()
                    if n["displayName"].startswith("convert") and n["type"] == "Pod")
     model = fetch(argo, f"artifact-files/{NAMESPACE}/workflows/{name}/{convert['id']}"
@@ -520,3 +526,30 @@ def test_a_fold_that_fails_for_good_is_retried_alone_from_the_ui(page, argo, sto
     graph_node(page, "ensemble").first.wait_for()
     page.screenshot(path=shots / "fold-retried.png", full_page=True)
 
+
+
+# The `local` profile's data and training (config/pipeline.yaml: 400 steps reach a mean Dice of
+# about 0.87) in the cluster profile's 1-CPU pods.
+LEARNING = ("download.source=synthetic://?cases=10&shape=64x64x24&seed=0",
+            "preprocess.patch_size=64x64", "train.batch_size=16", "train.val_batch_size=32",
+            "train.learning_rate=4.0e-3", "train.max_epochs=8", "train.steps_per_epoch=50",
+            "resources.train.timeout=30m")
+
+
+@pytest.mark.beyond_ci
+def test_the_report_of_a_run_that_learned_opens_with_its_table(page, argo, shots):
+    """A run that learned, not the 10-step smoke: train's report through the artifact proxy
+    opens with the table of the best epoch's mean Dice and Dice per label, which are the
+    node's output (docs/ui/report.png)."""
+    name = argo.create_workflow(compiled(*LEARNING))["metadata"]["name"]
+    wf = wait(argo, name, timeout=1800)
+    assert wf["status"]["phase"] == "Succeeded", wf["status"].get("message")
+    dice = argo_nodes(wf)["train"]["parameters"]["mean-dice"]
+    assert float(dice) > 0.8, dice
+    open_report(page, name)
+    summary = page.locator("table.summary").inner_text()
+    shown = re.search(r"best mean Dice\s+([0-9.]+) \(epoch \d+\)", summary)
+    assert shown and abs(float(shown.group(1)) - float(dice)) <= 1e-4, summary
+    assert re.search(r"Dice edema\s+0\.\d{4}", summary), summary
+    assert page.locator("pre").count() == 0                     # no JSON dump
+    page.screenshot(path=shots / "report.png", full_page=True)
