@@ -536,6 +536,16 @@ def attempt_log(server: SeaweedServer, wf: dict, task: str, attempt: int) -> str
     return text(server, logs["s3"]["key"])
 
 
+# Argo annotates each pod with its node's name, <workflow>.<node> (v4.0.5 workflowpod.go,
+# AnnotationKeyNodeName).
+NODE_ANNOTATION = "workflows.argoproj.io/node-name"
+
+
+def container_statuses(status: dict) -> list[dict]:
+    """A pod status's init and regular containers' statuses."""
+    return status.get("initContainerStatuses", []) + status.get("containerStatuses", [])
+
+
 def empty_dir_bytes(uid: str) -> int:
     """The bytes a pod's emptyDirs hold on the node (the kubelet's root, cluster/up.sh)."""
     total = 0
@@ -585,9 +595,8 @@ class PodUsage(threading.Thread):
     mark (v1 ``memory.max_usage_in_bytes``: the page cache of what it read and wrote counts
     in it), its anonymous memory (``memory.stat`` ``total_rss``, anonymous and swap cache: the
     largest of the samples), its CPU time (``cpuacct.usage``) and its emptyDirs' bytes on the
-    node. By pod
-    uid, the largest value each had; a pod's cgroup is gone soon after it ends, so its last
-    sample stands for its end."""
+    node. By pod uid, the largest value each had; a pod's cgroup is gone soon after it ends,
+    so its last sample stands for its end."""
 
     FIELDS = ("memory_peak_bytes", "anon_peak_bytes", "cpu_s", "disk_peak_bytes")
 

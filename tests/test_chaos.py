@@ -40,8 +40,8 @@ from pathlib import Path
 import pytest
 
 from real_cluster import (BUCKET, CFG, CONTROLLER_NAMESPACE, NAMESPACE, RUN_DIR, argo_nodes,
-                          attempt_log, cli, compiled, controller_pods, kubectl, pods_of,
-                          restart, scale_s3, unique, until, wait)
+                          attempt_log, cli, compiled, container_statuses, controller_pods,
+                          kubectl, pods_of, restart, scale_s3, unique, until, wait)
 from steps import storage
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -79,11 +79,6 @@ def step_pod(name: str, step: str, container: str = "", state: str = "") -> str 
                 for c in container_statuses(pod["status"]))):
             return pod["metadata"]["name"]
     return None
-
-
-def container_statuses(status: dict) -> list[dict]:
-    """A pod status's init and regular containers' statuses."""
-    return status.get("initContainerStatuses", []) + status.get("containerStatuses", [])
 
 
 def pod_status(pod: str) -> dict:

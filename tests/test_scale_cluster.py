@@ -36,8 +36,8 @@ import pytest
 from benchmarks.common import machine
 from benchmarks.fileserver import FileServer
 from benchmarks.scale import FULL, OVERRIDES, STEPS, inputs_of, slope, split
-from real_cluster import (BUCKET, PodUsage, argo_nodes, compiled, empty_dir_bytes, pods_of,
-                          wait)
+from real_cluster import (BUCKET, NODE_ANNOTATION, PodUsage, argo_nodes, compiled,
+                          container_statuses, empty_dir_bytes, pods_of, wait)
 from steps import storage, synthetic
 from workflows.versions import setting
 
@@ -46,7 +46,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.beyond_ci,
 
 SIZES = sorted({int(n) for n in (os.environ.get("UNET_BENCH_SCALE") or "30,120").split(",")})
 WORK_VOLUME = "10Gi"     # over 2x the largest artifact at 120 cases (docs/operations.md)
-NODE_ANNOTATION = "workflows.argoproj.io/node-name"     # v4.0.5 workflowpod.go
 
 
 def _time(stamp: str) -> datetime:
@@ -60,9 +59,7 @@ def _span(start: str, end: str) -> float:
 def pod_times(pod: dict) -> dict:
     """Seconds, to the API's one-second resolution: creation to the first container's start,
     Argo's init container, the main container, and the wait container after main ended."""
-    status = pod["status"]
-    ended = {c["name"]: c["state"]["terminated"] for c in
-             status.get("initContainerStatuses", []) + status.get("containerStatuses", [])
+    ended = {c["name"]: c["state"]["terminated"] for c in container_statuses(pod["status"])
              if "terminated" in c.get("state", {})}
     main, init, wait_ = ended["main"], ended.get("init"), ended.get("wait")
     return {"pod_start_s": _span(pod["metadata"]["creationTimestamp"],

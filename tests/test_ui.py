@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from real_cluster import (ARGO_CA, ARGO_URL, BUCKET, CFG, NAMESPACE, REQUIRED, argo_nodes, cli,
-                          compiled, kubectl, pods_of, request, unique, until, wait)
+from real_cluster import (ARGO_CA, ARGO_URL, BUCKET, CFG, NAMESPACE, NODE_ANNOTATION, REQUIRED,
+                          argo_nodes, cli, compiled, kubectl, pods_of, request, unique, until,
+                          wait)
 
 try:
     from playwright.sync_api import TimeoutError as NoDialog, sync_playwright
@@ -406,12 +407,11 @@ def queued_train(argo, workflow: str) -> str | None:
 
 
 def running_main(workflow: str, node: str) -> str | None:
-    """The pod of Argo node ``node`` once its step runs (Argo v4.0.5 workflowpod.go
-    annotates each pod with its node's name, AnnotationKeyNodeName)."""
+    """The pod of Argo node ``node`` once its step runs (found by NODE_ANNOTATION)."""
     for pod in pods_of(workflow):
-        if pod["metadata"].get("annotations", {}).get("workflows.argoproj.io/node-name") == \
-                node and any(c["name"] == "main" and "running" in c.get("state", {})
-                             for c in pod["status"].get("containerStatuses", [])):
+        if pod["metadata"].get("annotations", {}).get(NODE_ANNOTATION) == node and any(
+                c["name"] == "main" and "running" in c.get("state", {})
+                for c in pod["status"].get("containerStatuses", [])):
             return pod["metadata"]["name"]
     return None
 
@@ -500,8 +500,8 @@ def test_a_fold_that_fails_for_good_is_retried_alone_from_the_ui(page, argo, sto
     assert {t: before[t]["phase"] for t in fold_0} == dict.fromkeys(fold_0, "Succeeded")
     fault = (f"checkpoint pointer s3://{BUCKET}/{pointer} names 'not-a-checkpoint', "
              "not a checkpoint file")
-    attempt = next(n for n in wf["status"]["nodes"].values()
-                   if n["displayName"] == "train-fold-1(0)")
+    first = task_nodes_by_name(wf)
+    attempt = first["train-fold-1(0)"]
     assert attempt["message"] == f"main: Error (exit code 2): error: {fault}", attempt
     page.goto(f"/workflows/{NAMESPACE}/{name}")
     assert fault in node_info(page, "train-fold-1(0)").inner_text()
@@ -515,7 +515,6 @@ def test_a_fold_that_fails_for_good_is_retried_alone_from_the_ui(page, argo, sto
     retried = wait(argo, name, timeout=1800)
     assert retried["status"]["phase"] == "Succeeded", retried["status"].get("message")
     after, nodes = argo_nodes(retried), task_nodes_by_name(retried)
-    first = task_nodes_by_name(wf)
     assert {t: nodes[t]["startedAt"] for t in fold_0} == {
         t: first[t]["startedAt"] for t in fold_0}, "fold 0 ran again"
     assert [after[t]["attempts"] for t in fold_0] == [1, 1, 1]
@@ -525,7 +524,6 @@ def test_a_fold_that_fails_for_good_is_retried_alone_from_the_ui(page, argo, sto
     page.reload()
     graph_node(page, "ensemble").first.wait_for()
     page.screenshot(path=shots / "fold-retried.png", full_page=True)
-
 
 
 # The `local` profile's data and training (config/pipeline.yaml: 400 steps reach a mean Dice of
