@@ -22,7 +22,8 @@ finished comes back:
    differently from one epoch and a retry asking for three;
 6. ``benchmark``: ``python -m benchmarks gpu`` with the time left, from the cold run's local
    caches: the default and the default before it, batch 128 and fused AdamW
-   (``UNET_GPU_VARIANTS`` chooses others) in interleaved rounds, end to end and compute only,
+   (``UNET_GPU_VARIANTS`` chooses others; with ``--smoke`` the first two, all the CPU can
+   run) in interleaved rounds, end to end and compute only,
    each round written to ``gpu-rounds.json`` as it ends.
 
 ``OUT_DIR/gpu-result.json`` then holds every stage's figures, the rows, and the verdict on
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -182,8 +184,11 @@ def caches(work: Path, name: str) -> dict[str, str]:
             "TRITON_CACHE_DIR": str(work / f"triton-{name}")}
 
 
-def session(out: Path, seconds: float, smoke: bool) -> dict[str, Any]:
-    """Every stage in turn within ``seconds``, then the record (returned and written)."""
+def session(out: Path, seconds: float, smoke: bool,
+            train_flags: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Every stage in turn within ``seconds``, then the record (returned and written).
+    ``train_flags`` go to the cold, retry and eager runs after the sizes (a candidate
+    default, with eager's Dice on the same flags)."""
     begin = time.monotonic()
     work = Path(os.environ.get("GPU_WORK", "/tmp/unet-gpu")) / ("smoke" if smoke else "full")
     out.mkdir(parents=True, exist_ok=True)
@@ -208,13 +213,13 @@ def session(out: Path, seconds: float, smoke: bool) -> dict[str, Any]:
         "dataset_dir(Settings.make(sys.argv[2] == 'smoke', Path(sys.argv[1])))",
         str(work), "smoke" if smoke else "full"]))
     stages.append(run_stage(log, "cold", min(200, left()), train_argv(
-        sizes, dataset, work / "model-cold", store, 1), caches(work, "cold")))
+        sizes, dataset, work / "model-cold", store, 1, *train_flags), caches(work, "cold")))
     stages.append(run_stage(log, "retry", min(100, left()), train_argv(
-        sizes, dataset, work / "model-retry", store, 3), caches(work, "retry")))
+        sizes, dataset, work / "model-retry", store, 3, *train_flags), caches(work, "retry")))
     for run, epochs in (("eager-cold", 1), ("eager", 3)):
         stages.append(run_stage(log, run, min(60, left()), train_argv(
             sizes, dataset, work / f"model-{run}", work / "checkpoints-eager", epochs,
-            "--cuda-compile", "false")))
+            *train_flags, "--cuda-compile", "false")))
     for run in ("cold", "retry", "eager"):
         if (work / f"model-{run}" / "metrics.json").is_file():
             shutil.copy(work / f"model-{run}" / "metrics.json", out / f"metrics-{run}.json")
@@ -225,8 +230,9 @@ def session(out: Path, seconds: float, smoke: bool) -> dict[str, Any]:
         {**caches(work, "cold"), "UNET_GPU_BUDGET_S": str(int(max(budget, 1))),
          "UNET_GPU_ROUNDS": str(sizes.rounds), "UNET_GPU_EPOCH_STEPS": str(sizes.bench_steps),
          "UNET_GPU_ROUNDS_FILE": str(out / "gpu-rounds.json"),
-         "UNET_GPU_VARIANTS": os.environ.get("UNET_GPU_VARIANTS", SESSION_VARIANTS)}))
-    result = record(out, stages, sizes)
+         "UNET_GPU_VARIANTS": os.environ.get("UNET_GPU_VARIANTS", ",".join(
+             gpu.SMOKE_VARIANTS) if smoke else SESSION_VARIANTS)}))
+    result = {**record(out, stages, sizes), "train_flags": list(train_flags)}
     (out / "gpu-result.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     return result
 
@@ -401,8 +407,11 @@ def main(argv: list[str] | None = None) -> int:
                              "10 minutes less the wheels' install and the transfers)")
     parser.add_argument("--smoke", action="store_true",
                         help="on the CPU with tiny shapes: proves the stages, no verdict")
+    parser.add_argument("--train-flags", default="",
+                        help="steps.train flags for the cold, retry and eager runs (a "
+                             "candidate default), e.g. '--optimizer fusedadamw'")
     args = parser.parse_args(argv)
-    result = session(args.out, args.seconds, args.smoke)
+    result = session(args.out, args.seconds, args.smoke, tuple(shlex.split(args.train_flags)))
     for row in result["rows"]:
         print(f"{row['metric']}: {row['ours']:.4g} {row['unit']} (ratio {row['ratio']:.3f}"
               f"{', target ' + row['target'] + ': ' + row['verdict'] if row['target'] else ''})")

@@ -96,7 +96,7 @@ def test_the_exit_status_is_0_only_when_every_point_is_met(result, status):
 def test_the_command_exits_1_when_a_point_is_unmeasured(tmp_path, monkeypatch, capsys):
     """main() itself, on a session whose benchmark left no rounds (stubbed: the session's
     stages are what the slow test below runs for real)."""
-    monkeypatch.setattr(gpu_session, "session", lambda out, seconds, smoke: {
+    monkeypatch.setattr(gpu_session, "session", lambda out, seconds, smoke, flags: {
         "rows": [], "smoke": False, "stages": [],
         "acceptance": gpu_session.acceptance(None, None, True)})
     assert gpu_session.main([str(tmp_path)]) == 1
@@ -205,7 +205,7 @@ def test_a_stage_past_its_limit_is_stopped_with_its_children(tmp_path, monkeypat
 def test_the_session_runs_every_stage_on_the_cpu(tmp_path):
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_session", str(out), "--smoke",
-                           "--seconds", "400"], cwd=ROOT, capture_output=True, text=True,
+                           "--seconds", "400", "--train-flags", "--optimizer adamw"], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "GPU_WORK": str(tmp_path / "work")})
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((out / "gpu-result.json").read_text())
@@ -219,7 +219,11 @@ def test_the_session_runs_every_stage_on_the_cpu(tmp_path):
                for r in result["rows"])
     assert retry["first_step_s"] > 0 and retry["compile_cache"] == "off"   # CPU: no compile
     assert result["variants"]["default"]["end_to_end"] > 0
-    assert (out / "session.log").read_text().count("resumed from") == 2   # retry, eager
+    log = (out / "session.log").read_text()
+    assert log.count("resumed from") == 2   # retry, eager
+    # the candidate's flags reach the cold, retry and both eager runs, and the record
+    assert log.count("--optimizer adamw") == 4 and result["train_flags"] == ["--optimizer",
+                                                                              "adamw"]
     assert len(result["eager"]["epochs"]) == 3 and result["versions"]["train_flops_per_image"]
     assert json.loads((out / "gpu-rounds.json").read_text())["rounds_done"] == 1
     assert result["acceptance"]["all"] is None and result["smoke"]
