@@ -72,6 +72,8 @@ def test_smoke_runs_orchestration(tmp_path):
                                                      "convert"}
 
 
+# beyond CI since 2026-11-29: 4 min beside the cluster's tests (docs/testing.md)
+@pytest.mark.beyond_ci
 def test_smoke_runs_the_scale_sizes(tmp_path, monkeypatch):
     """The whole DAG from the served tar at two sizes: every step measured, the download
     fetched the tar once (its bytes served), the S3 bytes a step read are those its producer
@@ -116,6 +118,8 @@ def test_smoke_runs_the_cpu_share_sweep(tmp_path):
                 assert set(sides) == {"ours", *map(str, details["counts"])}
 
 
+# beyond CI since 2026-11-29: 7 min beside the cluster's tests (docs/testing.md)
+@pytest.mark.beyond_ci
 def test_smoke_runs_the_contention_rounds(tmp_path):
     """The four steps idle and beside a spinning neighbour (ours), and idle (before: its
     collapse beside the neighbour is the full run's, at about 1 % of the idle rate); ours

@@ -34,7 +34,7 @@ import subprocess
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -125,16 +125,17 @@ def empty_memo_cache() -> None:
             "--type=merge", "-p", '{"data": null}')
 
 
-def s3_down_while(begun, what: str) -> str:
+def s3_down_while(begun, what: str) -> tuple[str, datetime]:
     """The S3 server stopped until ``begun()`` names a pod, then S3_DOWN_S more, then started
-    again; the pod's name."""
+    again; the pod's name and when the server was gone."""
     try:
         scale_s3(0)
+        gone = datetime.now(timezone.utc)
         pod = until(begun, 300, what, every=0.5)
         time.sleep(S3_DOWN_S)
     finally:
         scale_s3(1)
-    return pod
+    return pod, gone
 
 
 def transfer_across_outage(pod: str, container: str) -> dict:
@@ -167,6 +168,59 @@ def released_onnx(store, name: str, tmp_path: Path) -> str:
     storage.download_dir(f"s3://{BUCKET}/{prefix}/", dest, client=store.client(),
                          artifact="exported", progress=False)
     return hashlib.sha256((dest / "unet2d.onnx").read_bytes()).hexdigest()
+
+
+# A pod that Succeeded this long ago while its node still waits for its outputs has been
+# given up by its executor (below); the controller's informer sees a task result in seconds.
+STUCK_S = 60
+REPORTED = "workflows.argoproj.io/report-outputs-completed"
+
+
+def stuck_pods(argo, name: str) -> list[str]:
+    """Pods of run ``name`` that Argo v4.0.5 will wait on for ever: Succeeded at least
+    STUCK_S ago, their node not yet Succeeded, and their WorkflowTaskResult (named by the
+    node's id) not labelled complete. An executor that cannot reach the API server gives up
+    reporting after about 31 s (workflow/executor/executor.go FinalizeOutput: backoff Cap
+    30 s) and still exits 0; operator.go podReconciliation then skips the Succeeded pod whose
+    result is incomplete and requeues the workflow ("pod reconciliation didn't complete,
+    will retry") before any deadline is checked, and taskresult.go's fallback
+    (TASK_RESULT_TIMEOUT_DURATION) only covers nodes already completed."""
+    nodes = argo.get_workflow(name)["status"].get("nodes") or {}
+    results = json.loads(kubectl("-n", NAMESPACE, "get", "workflowtaskresults", "-l",
+                                 f"workflows.argoproj.io/workflow={name}", "-o", "json"))
+    waiting = {r["metadata"]["name"] for r in results["items"]
+               if (r["metadata"].get("labels") or {}).get(REPORTED) != "true"}
+    now = datetime.now(timezone.utc)
+    stuck = []
+    for pod in pods_of(name):
+        node = pod["metadata"].get("annotations", {}).get("workflows.argoproj.io/node-id")
+        ended = [datetime.fromisoformat(c["state"]["terminated"]["finishedAt"])
+                 for c in container_statuses(pod["status"]) if "terminated" in c["state"]]
+        if pod["status"]["phase"] == "Succeeded" and node in waiting and ended and \
+                (nodes.get(node) or {}).get("phase") != "Succeeded" and \
+                (now - max(ended)).total_seconds() > STUCK_S:
+            stuck.append(pod["metadata"]["name"])
+    return stuck
+
+
+def wait_mending_stuck(argo, name: str) -> tuple[dict, list[str]]:
+    """The run's end, each stuck pod (:func:`stuck_pods`) deleted on the way as
+    docs/operations.md tells a user: its node becomes an Error, "pod deleted", which the
+    retry strategy runs again (train resumes from its checkpoint). Returns the workflow and
+    the pods deleted."""
+    mended: list[str] = []
+
+    def ended() -> dict | None:
+        wf = argo.get_workflow(name)
+        if wf["status"].get("phase") in ("Succeeded", "Failed", "Error"):
+            return wf
+        for pod in stuck_pods(argo, name):
+            print(f"chaos: {pod} Succeeded, its outputs never reported: deleted")
+            kubectl("-n", NAMESPACE, "delete", "pod", pod, "--wait=false")
+            mended.append(pod)
+        return None
+
+    return until(ended, WAIT_S, f"{name} to end", every=5), mended
 
 
 def one_pod_per_attempt(name: str) -> None:
@@ -286,6 +340,9 @@ HOST_FAULTS = (
 )
 
 
+# beyond CI since 2026-11-29: 5-7 min of the node, and a race of Argo v4.0.5
+# that can leave its run waiting for ever (stuck_pods); docs/status.md
+@pytest.mark.beyond_ci
 def test_the_kubelet_etcd_and_api_server_down_in_turn_lose_nothing(argo, store, release,
                                                                    tmp_path):
     """One run, from train's first checkpoint on: the kubelet down 30 s (a restart), then etcd
@@ -302,7 +359,10 @@ def test_the_kubelet_etcd_and_api_server_down_in_turn_lose_nothing(argo, store, 
     apimachinery's backoff sets its steps to zero (k8s.io/apimachinery v0.33.1
     pkg/util/wait/backoff.go, delay), so it gives up after about 31 s; the attempt is an Error
     naming the refused connection (once, "pod deleted" instead), and the retry resumes from
-    the checkpoint (train) or runs again (convert, whose output is the same bytes)."""
+    the checkpoint (train) or runs again (convert, whose output is the same bytes). When what
+    it gives up is its last report (FinalizeOutput), the pod Succeeds and Argo waits on it
+    for ever (seen 2026-11-29; :func:`stuck_pods`): the test deletes that pod as
+    docs/operations.md tells a user, and the attempt is lost as "pod deleted"."""
     name = unique("chaos-hosts")
     argo.create_workflow(compiled(*LONG_TRAIN, name=name))
     running_train(store, name)
@@ -314,7 +374,7 @@ def test_the_kubelet_etcd_and_api_server_down_in_turn_lose_nothing(argo, store, 
         restart(process, down_s)
         until(lambda: kubectl(*ready, check=False).strip() in ("ok", "True"), 180,
               f"{process} back")
-    wf = wait(argo, name)
+    wf, mended = wait_mending_stuck(argo, name)
     assert wf["status"]["phase"] == "Succeeded", wf["status"].get("message")
     lost = {n["displayName"]: n.get("message", "") for n in wf["status"]["nodes"].values()
             if re.search(r"\(\d+\)$", n["displayName"]) and n["phase"] != "Succeeded"}
@@ -328,10 +388,15 @@ def test_the_kubelet_etcd_and_api_server_down_in_turn_lose_nothing(argo, store, 
             attempt_log(store, wf, "train", 1)
     one_pod_per_attempt(name)
     release.check(name, tmp_path, train_retried=True)
+    assert len(mended) <= 1 and (not mended or list(lost.values()) == ["pod deleted"]), \
+        (mended, lost)
     record("kubelet down 30 s, etcd 10 s, then the API server 30 s, in turn from mid-train", wf,
-           running_at_each_fault=hit, lost_attempts={k: v[:160] for k, v in lost.items()})
+           running_at_each_fault=hit, lost_attempts={k: v[:160] for k, v in lost.items()},
+           stuck_pods_deleted=mended)
 
 
+# beyond CI since 2026-11-29: 4 min of the node (docs/status.md)
+@pytest.mark.beyond_ci
 def test_a_train_pod_evicted_for_its_scratch_is_retried_and_resumes(argo, store, release,
                                                                      tmp_path):
     """The kubelet evicts the running train's pod, as it does under disk pressure: a process
@@ -402,18 +467,26 @@ def test_the_s3_server_down_while_artifacts_move_then_the_train_pod_deleted_lose
     argo.create_workflow(compiled(*LONG_TRAIN, name=name))
     until(lambda: step_pod(name, "preprocess", "main", "running"), 600,
           "preprocess's main container running", every=0.5)
-    uploader = s3_down_while(lambda: step_pod(name, "preprocess", "main", "terminated"),
-                             "preprocess's main ended, its wait container uploading")
+    uploader, _ = s3_down_while(lambda: step_pod(name, "preprocess", "main", "terminated"),
+                                "preprocess's main ended, its wait container uploading")
     until(lambda: argo_nodes(argo.get_workflow(name)).get("preprocess", {}).get("phase")
           == "Succeeded", 600, "preprocess Succeeded", every=0.5)
-    loader = s3_down_while(lambda: step_pod(name, "train", "init", "running") or
-                           step_pod(name, "train", "init", "terminated"),
-                           "train's init container loading")
+    loader, gone = s3_down_while(lambda: step_pod(name, "train", "init", "running") or
+                                 step_pod(name, "train", "init", "terminated"),
+                                 "train's init container loading")
     train = running_train(store, name)
     assert train == loader
-    # read before the loader's pod is deleted
-    transfers = {container: transfer_across_outage(pod, container)
-                 for pod, container in ((uploader, "wait"), (loader, "init"))}
+    # read before the loader's pod is deleted. The init's load can end before the server is
+    # gone (1 s, seen in CI 2026-11-29): the outage then meets main's first S3 call, which
+    # the pods' UNET_S3_MAX_ATTEMPTS (config/pipeline.yaml) rides out; the attempts below
+    # show that it cost none
+    transfers = {"wait": transfer_across_outage(uploader, "wait")}
+    init = {c["name"]: c["state"].get("terminated", {})
+            for c in container_statuses(pod_status(loader))}["init"]
+    met_by = "init" if datetime.fromisoformat(init["finishedAt"]) > gone + timedelta(
+        seconds=1) else "main"           # finishedAt has whole seconds
+    if met_by == "init":
+        transfers["init"] = transfer_across_outage(loader, "init")
     kubectl("-n", NAMESPACE, "delete", "pod", train, "--wait=false")
     wf = wait(argo, name)
     assert wf["status"]["phase"] == "Succeeded", wf["status"].get("message")
@@ -429,7 +502,7 @@ def test_the_s3_server_down_while_artifacts_move_then_the_train_pod_deleted_lose
     record(f"S3 down {S3_DOWN_S} s while preprocess uploaded, and again while train loaded, "
            f"then the train pod deleted mid-step", wf, compare=False,
            first_attempt=first.get("message"), upload=transfers["wait"],
-           load=transfers["init"])
+           load=transfers.get("init"), second_outage_met_by=met_by)
 
 
 @pytest.mark.beyond_ci

@@ -492,6 +492,14 @@ def test_an_endless_model_is_bounded_in_time(tmp_path, capsys, monkeypatch):
     assert time.monotonic() - started < 60
 
 
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (its SigCgt mask in /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line.split()[1] for line in status.splitlines()
+                      if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (signum - 1) & 1)
+
+
 @pytest.mark.slow
 def test_sigterm_stops_an_endless_model(tmp_path):
     import signal
@@ -500,7 +508,14 @@ def test_sigterm_stops_an_endless_model(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "steps.convert", "predict", "--onnx", model,
                              "--image", _case(tmp_path), "--out", tmp_path / "label.nii.gz"],
                             cwd=REPO, stderr=subprocess.PIPE, text=True)
-    time.sleep(8)                     # well inside the endless inference
+    # the step's handler installed (its imports took 8 s and more on a loaded 2-core
+    # machine, where a fixed wait once signalled the interpreter before it), then inside
+    # the endless inference
+    end = time.monotonic() + 120
+    while not _catches(proc.pid, signal.SIGTERM) and time.monotonic() < end:
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.2)
+    time.sleep(3)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
