@@ -41,7 +41,7 @@ import pytest
 
 from real_cluster import (BUCKET, CFG, CONTROLLER_NAMESPACE, NAMESPACE, RUN_DIR, argo_nodes,
                           attempt_log, cli, compiled, container_statuses, controller_pods,
-                          kubectl, pods_of, restart, scale_s3, unique, until, wait)
+                          kubectl, pods_of, restart, scale_s3, unique, until, wait, WAIT_S)
 from steps import storage
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1800)]
