@@ -43,6 +43,7 @@ from real_cluster import (BUCKET, CFG, CONTROLLER_NAMESPACE, NAMESPACE, RUN_DIR,
                           attempt_log, cli, compiled, container_statuses, controller_pods,
                           kubectl, pods_of, restart, scale_s3, unique, until, wait, WAIT_S)
 from steps import storage
+from workflows.argo import ArgoError
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -176,8 +177,8 @@ STUCK_S = 60
 REPORTED = "workflows.argoproj.io/report-outputs-completed"
 
 
-def stuck_pods(argo, name: str) -> list[str]:
-    """Pods of run ``name`` that Argo v4.0.5 will wait on for ever: Succeeded at least
+def stuck_pods(wf: dict) -> list[str]:
+    """Pods of run ``wf`` that Argo v4.0.5 will wait on for ever: Succeeded at least
     STUCK_S ago, their node not yet Succeeded, and their WorkflowTaskResult (named by the
     node's id) not labelled complete. An executor that cannot reach the API server gives up
     reporting after about 31 s (workflow/executor/executor.go FinalizeOutput: backoff Cap
@@ -185,7 +186,7 @@ def stuck_pods(argo, name: str) -> list[str]:
     result is incomplete and requeues the workflow ("pod reconciliation didn't complete,
     will retry") before any deadline is checked, and taskresult.go's fallback
     (TASK_RESULT_TIMEOUT_DURATION) only covers nodes already completed."""
-    nodes = argo.get_workflow(name)["status"].get("nodes") or {}
+    name, nodes = wf["metadata"]["name"], wf["status"].get("nodes") or {}
     results = json.loads(kubectl("-n", NAMESPACE, "get", "workflowtaskresults", "-l",
                                  f"workflows.argoproj.io/workflow={name}", "-o", "json"))
     waiting = {r["metadata"]["name"] for r in results["items"]
@@ -211,10 +212,15 @@ def wait_mending_stuck(argo, name: str) -> tuple[dict, list[str]]:
     mended: list[str] = []
 
     def ended() -> dict | None:
-        wf = argo.get_workflow(name)
+        try:
+            wf = argo.get_workflow(name)
+        except ArgoError as exc:   # the Argo Server answers 500 until its API is reachable
+            if exc.transient:
+                return None
+            raise
         if wf["status"].get("phase") in ("Succeeded", "Failed", "Error"):
             return wf
-        for pod in stuck_pods(argo, name):
+        for pod in stuck_pods(wf):
             print(f"chaos: {pod} Succeeded, its outputs never reported: deleted")
             kubectl("-n", NAMESPACE, "delete", "pod", pod, "--wait=false")
             mended.append(pod)
