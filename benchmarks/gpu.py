@@ -76,8 +76,8 @@ VARIANTS = {
                             ["--cuda-compile", "false", "--cuda-channels-last", "true"], True),
     "fused-adamw": ("fused AdamW", ["--optimizer", "fusedadamw"], True),
     "batch-128": ("batch 128, half the steps", ["--batch-size", "128"], True),
-    # with the layout optimization forced the convolutions' weight gradients come out
-    # channels_last; contiguous weights make AccumulateGrad copy each one back
+    # the three levers together (2026-11-29 on an H200: 1.14x end to end, but batch 128 at
+    # half the steps learned less on the same samples; benchmarks/README.md)
     "cl-fused-128": ("channels_last weights and batches, fused AdamW, batch 128",
                      ["--cuda-channels-last", "true", "--optimizer", "fusedadamw",
                       "--batch-size", "128"], True),

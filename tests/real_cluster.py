@@ -201,7 +201,13 @@ def kubectl(*args: str, stdin: str | None = None, check: bool = True) -> str:
 
 def pods_of(name: str) -> list[dict]:
     """The pods of workflow ``name``, as Argo labels them."""
-    return json.loads(kubectl("-n", NAMESPACE, "get", "pods", "-o", "json", "-l",
+    return objects_of(name, "pods")
+
+
+def objects_of(name: str, kind: str) -> list[dict]:
+    """The objects of ``kind`` (pods, workflowtaskresults) that Argo labels as workflow
+    ``name``'s."""
+    return json.loads(kubectl("-n", NAMESPACE, "get", kind, "-o", "json", "-l",
                               f"workflows.argoproj.io/workflow={name}"))["items"]
 
 

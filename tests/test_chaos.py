@@ -41,9 +41,10 @@ import pytest
 
 from real_cluster import (BUCKET, CFG, CONTROLLER_NAMESPACE, NAMESPACE, RUN_DIR, argo_nodes,
                           attempt_log, cli, compiled, container_statuses, controller_pods,
-                          kubectl, pods_of, restart, scale_s3, unique, until, wait, WAIT_S)
+                          kubectl, objects_of, pods_of, restart, scale_s3, unique, until,
+                          wait, WAIT_S)
 from steps import storage
-from workflows.argo import ArgoError
+from workflows.argo import DONE, ArgoError
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -175,6 +176,7 @@ def released_onnx(store, name: str, tmp_path: Path) -> str:
 # given up by its executor (below); the controller's informer sees a task result in seconds.
 STUCK_S = 60
 REPORTED = "workflows.argoproj.io/report-outputs-completed"
+NODE_ID = "workflows.argoproj.io/node-id"          # a pod's annotation: its node in the run
 
 
 def stuck_pods(wf: dict) -> list[str]:
@@ -187,14 +189,12 @@ def stuck_pods(wf: dict) -> list[str]:
     will retry") before any deadline is checked, and taskresult.go's fallback
     (TASK_RESULT_TIMEOUT_DURATION) only covers nodes already completed."""
     name, nodes = wf["metadata"]["name"], wf["status"].get("nodes") or {}
-    results = json.loads(kubectl("-n", NAMESPACE, "get", "workflowtaskresults", "-l",
-                                 f"workflows.argoproj.io/workflow={name}", "-o", "json"))
-    waiting = {r["metadata"]["name"] for r in results["items"]
+    waiting = {r["metadata"]["name"] for r in objects_of(name, "workflowtaskresults")
                if (r["metadata"].get("labels") or {}).get(REPORTED) != "true"}
     now = datetime.now(timezone.utc)
     stuck = []
     for pod in pods_of(name):
-        node = pod["metadata"].get("annotations", {}).get("workflows.argoproj.io/node-id")
+        node = pod["metadata"].get("annotations", {}).get(NODE_ID)
         ended = [datetime.fromisoformat(c["state"]["terminated"]["finishedAt"])
                  for c in container_statuses(pod["status"]) if "terminated" in c["state"]]
         if pod["status"]["phase"] == "Succeeded" and node in waiting and ended and \
@@ -218,7 +218,7 @@ def wait_mending_stuck(argo, name: str) -> tuple[dict, list[str]]:
             if exc.transient:
                 return None
             raise
-        if wf["status"].get("phase") in ("Succeeded", "Failed", "Error"):
+        if wf["status"].get("phase") in DONE:
             return wf
         for pod in stuck_pods(wf):
             print(f"chaos: {pod} Succeeded, its outputs never reported: deleted")
@@ -230,8 +230,7 @@ def wait_mending_stuck(argo, name: str) -> tuple[dict, list[str]]:
 
 
 def one_pod_per_attempt(name: str) -> None:
-    nodes = Counter(p["metadata"]["annotations"].get("workflows.argoproj.io/node-id")
-                    for p in pods_of(name))
+    nodes = Counter(p["metadata"]["annotations"].get(NODE_ID) for p in pods_of(name))
     assert nodes and all(count == 1 for count in nodes.values()), nodes
 
 

@@ -205,8 +205,8 @@ def test_a_stage_past_its_limit_is_stopped_with_its_children(tmp_path, monkeypat
 def test_the_session_runs_every_stage_on_the_cpu(tmp_path):
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_session", str(out), "--smoke",
-                           "--seconds", "400", "--train-flags", "--optimizer adamw"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "GPU_WORK": str(tmp_path / "work")})
+                           "--seconds", "400", "--train-flags", "--optimizer adamw"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "GPU_WORK": str(tmp_path / "work")})
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((out / "gpu-result.json").read_text())
     assert [(s["stage"], s["exit"]) for s in result["stages"]] == [
