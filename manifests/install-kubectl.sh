@@ -37,6 +37,6 @@ target.write_bytes(binary)
 target.chmod(0o755)
 print(f"installed {target}")
 PY
-"$dest/kubectl" version --client | head -n 1
+"$dest/kubectl" version --client | sed -n 1p   # not head: its early exit is a SIGPIPE (141) under pipefail
 found="$(client_minor kubectl || echo 0)"
 (( found == MINOR )) || { echo "error: kubectl on PATH is still 1.$found ($(command -v kubectl)); put $dest first" >&2; exit 1; }
