@@ -2,7 +2,8 @@
 
     python -m steps.quantize --exported DIR --dataset DIR --quantized DIR
                              [--calibration-slices 128] [--calibration-seed 0]
-                             [--calibration-method minmax] [--float-layers first-last]
+                             [--calibration-method percentile] [--float-layers first-last]
+                             [--gate-cases 16]
 
 Static post-training quantization with onnxruntime's tools: QDQ format, per-channel INT8
 weights, UINT8 activations whose ranges come from calibration slices of the model's
@@ -11,9 +12,10 @@ quantized: normalisation, activations and concatenations stay float32, and
 ``--float-layers first-last`` keeps the first and the last convolution in float too. The
 model card records which.
 
-**The gate.** The FP32 and the INT8 model segment every validation volume of the model's
-fold slice by slice (``steps.predict.segment``, the 2D inference over whole volumes that
-``steps.predict`` uses). The step fails and publishes nothing unless the mean Dice drops by
+**The gate.** The FP32 and the INT8 model segment validation volumes of the model's fold
+slice by slice (``steps.predict.segment``, the 2D inference over whole volumes that
+``steps.predict`` uses): ``--gate-cases`` of them (16), evenly spaced over the fold, so that
+the step's time does not grow with the dataset. The step fails and publishes nothing unless the mean Dice drops by
 at most ``--max-dice-drop`` points (0.5), no class by more than ``--max-class-dice-drop``
 (1), and the two label maps agree on at least ``--min-agreement`` (0.99) of the voxels
 inside each volume's foreground box. Publishes the ``quantized``
@@ -184,6 +186,14 @@ def foreground_box(image: np.ndarray) -> tuple[slice, slice, slice]:
     return tuple(box)
 
 
+def gate_subset(names: list[str], n: int) -> list[str]:
+    """``n`` of ``names``, evenly spaced and in their order (all of them when there are
+    fewer): the same fold and ``n`` give the same cases."""
+    if len(names) <= n:
+        return list(names)
+    return [names[i * len(names) // n] for i in range(n)]
+
+
 def gate(sessions: dict[str, Any], cases: list[Case], multiple: int,
          n_classes: int) -> dict[str, Any]:
     """Each model's Dice against the labels, per case and overall, and each candidate's
@@ -349,8 +359,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                kept)
         if openvino is not None and openvino[0] is not None:
             sessions["openvino_int8"] = OpenVINOSession(openvino[0])
-        figures = gate(sessions, open_cases(args.dataset, meta, val_names), multiple,
-                       n_classes)
+        figures = gate(sessions, open_cases(args.dataset, meta,
+                                            gate_subset(val_names, args.gate_cases)),
+                       multiple, n_classes)
         bounds = gate_bounds(args)
         check_gate(figures["int8"], "INT8 (onnxruntime)", bounds)
         openvino_file = "not produced: openvino and nncf are not installed"

@@ -117,7 +117,7 @@ CHANGED = {
               "resume_from": "s3://bucket/earlier/run/"},
     "convert": {"opset": 18, "parity_slices": 40},
     "quantize": {"calibration_slices": 40, "calibration_seed": 5,
-                 "calibration_method": "entropy", "float_layers": "none",
+                 "calibration_method": "entropy", "float_layers": "none", "gate_cases": 3,
                  "max_dice_drop": 1.5, "max_class_dice_drop": 3.0, "min_agreement": 0.95},
     "evaluate": {"overlap": 0.25, "mirroring": False},
 }

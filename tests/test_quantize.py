@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 
 from steps import params
+from steps import quantize as quantize_step
 from steps.artifacts import write_manifest
 from steps.dataset import fold_names, open_cases, read_metadata
+from steps.errors import StepError
 from steps.quantize import (CARD_FILE, INT8_FILE, OPENVINO_FILE, REPORT_FILE, calibration_set,
                             check_gate)
 from tests.train_data import REPO, assert_ok as _ok, exported_model, run_step, step_env
@@ -118,6 +120,7 @@ def test_calibrated_model_records_its_figures_gate_and_calibration(exported, qua
     card = json.loads((out / CARD_FILE).read_text())
     assert card["quantization"]["calibration"]["sha256"] == expected.digest
     assert card["quantization"]["float_layers"]["convolutions"]  # first and last kept float
+    assert figures["validation_cases"] == val      # fewer than --gate-cases: all of them
     outputs = {p.name: p.read_text().strip() for p in (out / "argo-outputs").iterdir()}
     assert set(outputs) == {"int8_mean_dice", "int8_speedup"}
     assert abs(float(outputs["int8_mean_dice"]) - figures["int8"]["mean_dice"]) < 1e-4
@@ -160,6 +163,26 @@ def test_predict_runs_the_int8_model_unchanged(exported, quantized, tmp_path):
     _ok(done)
     import nibabel as nib
     assert nib.load(tmp_path / "label.nii.gz").shape == nib.load(case).shape[:3]
+
+
+def test_the_gate_segments_only_gate_cases_volumes(exported, tmp_path, monkeypatch):
+    """``--gate-cases 1`` reaches the gate: it gets the fold's first validation case only."""
+    met = []
+
+    def stop(sessions, cases, multiple, n_classes):
+        met.extend(case.name for case in cases)
+        raise StepError("quantize: stopped by the test; nothing published")
+
+    monkeypatch.setattr(quantize_step, "gate", stop)
+    monkeypatch.setattr(quantize_step, "openvino_ir", lambda *args: None)
+    args = quantize_step.build_parser().parse_args(
+        ["--exported", str(exported / "exported"), "--dataset", str(exported / "dataset"),
+         "--quantized", str(tmp_path / "quantized"), "--gate-cases", "1"])
+    with pytest.raises(StepError, match="stopped by the test"):
+        quantize_step.run(args)
+    _, val = fold_names(read_metadata(exported / "dataset"), 0)
+    assert met == val[:1] and len(val) > 1
+    assert not (tmp_path / "quantized").exists() or not any((tmp_path / "quantized").iterdir())
 
 
 def test_bad_calibration_fails_the_gate_and_publishes_nothing(exported, tmp_path):

@@ -11,7 +11,7 @@ import pytest
 from steps import limits
 from steps.dataset import Case
 from steps.errors import StepError
-from steps.quantize import check_gate, gate
+from steps.quantize import check_gate, gate, gate_subset
 
 CLASSES = 3
 SHAPE = (4, 16, 16)                  # (D, H, W)
@@ -95,3 +95,17 @@ def test_the_figures_say_whether_int8_was_slower_and_on_which_cpu(int8, slower):
     assert figures["int8"]["slower_than_fp32"] is slower
     assert (figures["int8"]["speedup"] < 1) is slower
     assert figures["speed_measured_on"] == limits.cpu_model() != ""
+
+
+@pytest.mark.parametrize("count, n, expected", [
+    (97, 16, [0, 6, 12, 18, 24, 30, 36, 42, 48, 54, 60, 66, 72, 78, 84, 90]),
+    (15, 16, list(range(15))),
+    (16, 16, list(range(16))),
+    (17, 4, [0, 4, 8, 12]),
+    (5, 1, [0]),
+])
+def test_the_gate_takes_evenly_spaced_cases_of_the_fold(count, n, expected):
+    """At 750 cases a fold holds about 97 validation cases, at 120 about 15: the gate takes at
+    most ``--gate-cases`` of them, spread over the fold in its order, never one twice."""
+    names = [f"BRATS_{i:03d}" for i in range(count)]
+    assert gate_subset(names, n) == [names[i] for i in expected]
