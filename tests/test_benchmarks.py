@@ -72,6 +72,17 @@ def test_smoke_runs_orchestration(tmp_path):
                                                      "convert"}
 
 
+def test_the_fitted_growth_exponent_takes_every_size():
+    """Issue 47 fits growth on three sizes: a power law gives its exponent back, two points
+    give the pair's slope, and a middle point off the line moves the fit."""
+    from benchmarks.scale import fitted, slope
+    sizes = [30, 120, 750]
+    assert fitted(sizes, [3 * n ** 1.3 for n in sizes]) == pytest.approx(1.3)
+    assert fitted([30, 120], [16, 96]) == pytest.approx(slope(30, 16, 120, 96))
+    assert fitted(sizes, [16, 96, 600]) < slope(30, 16, 120, 96)
+    assert math.isnan(fitted(sizes, [1, 0, 2])) and math.isnan(fitted([30], [1]))
+
+
 # beyond CI since 2026-11-29: 4 min beside the cluster's tests (docs/testing.md)
 @pytest.mark.beyond_ci
 def test_smoke_runs_the_scale_sizes(tmp_path, monkeypatch):

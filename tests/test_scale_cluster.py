@@ -35,7 +35,7 @@ import pytest
 
 from benchmarks.common import machine
 from benchmarks.fileserver import FileServer
-from benchmarks.scale import FULL, OVERRIDES, STEPS, inputs_of, slope, split
+from benchmarks.scale import FULL, OVERRIDES, STEPS, fitted, inputs_of, slope, split
 from real_cluster import (BUCKET, NODE_ANNOTATION, PodUsage, argo_nodes, compiled,
                           container_statuses, empty_dir_bytes, pods_of, wait)
 from steps import storage, synthetic
@@ -110,15 +110,25 @@ def run_size(argo, store, total: int) -> dict:
             "steps": steps}
 
 
-def growth(first: dict, last: dict) -> dict:
-    """Per step, the log-log exponents of its times and S3 bytes between two sizes (1 is
-    linear) and its memory and disk ratios."""
+GROWN = ("main_s", "init_s", "wait_after_main_s", "s3_written_bytes", "s3_read_bytes")
+
+
+def growth(points: list[dict]) -> dict:
+    """Per step, the log-log exponent of each of its times and S3 bytes (1 is linear), fitted
+    on every size and between each two sizes in turn (where a step crosses from the page cache
+    to the disk shows as a jump), and its memory and disk ratios, largest size to smallest."""
+    first, last, cases = points[0], points[-1], [point["cases"] for point in points]
     rows = {}
     for step in STEPS:
         a, b = first["steps"][step], last["steps"][step]
-        rows[step] = {f"{key}_exponent": slope(first["cases"], a[key], last["cases"], b[key])
-                      for key in ("main_s", "init_s", "wait_after_main_s", "s3_written_bytes",
-                                  "s3_read_bytes") if a.get(key) and b.get(key)}
+        rows[step] = {}
+        for key in GROWN:
+            ys = [point["steps"][step].get(key) or 0 for point in points]
+            if min(ys) > 0:
+                rows[step][f"{key}_exponent"] = fitted(cases, ys)
+                rows[step][f"{key}_exponents_between"] = [
+                    slope(x0, y0, x1, y1) for x0, y0, x1, y1 in
+                    zip(cases, ys, cases[1:], ys[1:])]
         rows[step].update({f"{key}_ratio": b.get(key, 0) / a[key] for key in
                            ("memory_peak_bytes", "anon_peak_bytes", "disk_peak_bytes")
                            if a.get(key)})
@@ -131,7 +141,7 @@ def test_the_dag_at_full_case_size_on_the_cluster_as_the_data_grows(argo, store)
     points = [run_size(argo, store, total) for total in SIZES]
     report = {"machine": machine(), "sizes": SIZES, "shape": list(synthetic.FULL_SHAPE),
               "points": points,
-              "growth": growth(points[0], points[-1]) if len(points) > 1 else {},
+              "growth": growth(points) if len(points) > 1 else {},
               "note": "the cluster profile on the single-node cluster (cluster/README.md), "
                       "Argo v4.0.5's executor; tar generation not timed"}
     text = json.dumps(report, indent=1) + "\n"
