@@ -189,11 +189,18 @@ def _stop_on_signals() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def module_name(function: Callable) -> str:
+    """The dotted name of ``function``'s module, also under ``python -m`` (where the module
+    is ``__main__`` and its spec keeps the name): ``steps.train``."""
+    spec = getattr(sys.modules.get(function.__module__), "__spec__", None)
+    return spec.name if spec is not None else function.__module__
+
+
 def run_main(main: Callable[[Sequence[str] | None], int | None],
              argv: Sequence[str] | None = None) -> int:
     """Call ``main(argv)``; report any failure as one ``error:`` line; return the exit status
     (128 + the signal's number when SIGTERM or SIGINT stopped it)."""
-    step = main.__module__
+    step = module_name(main)
     tracked = sys.stderr = _LineTracker(sys.stderr)
     try:
         return _run_reported(main, argv, step)

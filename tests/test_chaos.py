@@ -172,6 +172,9 @@ def released_onnx(store, name: str, tmp_path: Path) -> str:
     return hashlib.sha256((dest / "unet2d.onnx").read_bytes()).hexdigest()
 
 
+# What a deleted pod's attempt says: Argo's own line, or the step's for the kubelet's SIGTERM.
+DELETED = re.compile(r"^pod deleted$|\(exit code 143\): error: \S+: stopped by SIGTERM;")
+
 # A pod that Succeeded this long ago while its node still waits for its outputs has been
 # given up by its executor (below); the controller's informer sees a task result in seconds.
 STUCK_S = 60
@@ -458,9 +461,13 @@ def test_the_s3_server_down_while_artifacts_move_then_the_train_pod_deleted_lose
        container). Each transfer waits the outage out (retried by minio-go, then by Argo's
        executor) and succeeds; the bucket's objects outlive both restarts.
     2. ``kubectl delete pod`` on the running train, once its first checkpoint is in S3, as an
-       operator or an autoscaler does: Argo marks the attempt an Error, "pod deleted" (v4.0.5
-       workflow/controller/operator.go, podReconciliation), which the retry strategy's policy
-       Always retries (lastRetry.exitCode is not 2); the next attempt resumes from the
+       operator or an autoscaler does. The kubelet sends the containers SIGTERM and the pod
+       object goes once they have ended. Argo marks the attempt an Error, "pod deleted", when
+       its informer never saw the pod end (v4.0.5 workflow/controller/operator.go,
+       podReconciliation: a started node whose pod is no longer listed), or Failed with the
+       step's own line for SIGTERM (exit 143) when it saw main end first (seen in a cold CI
+       run on the AMD EPYC VM, 2026-11-29). Either way the retry strategy's policy Always
+       retries it (lastRetry.exitCode is not 2); the next attempt resumes from the
        checkpoint.
 
     The run ends as an undisturbed one, byte for byte: steps.train restores the optimizer,
@@ -499,7 +506,8 @@ def test_the_s3_server_down_while_artifacts_move_then_the_train_pod_deleted_lose
     assert not table["preprocess"]["memoized"], table
     assert table["train"]["attempts"] == 2 and table["train"]["exit_codes"][-1] == 0, table
     first = next(n for n in wf["status"]["nodes"].values() if n["displayName"] == "train(0)")
-    assert first["phase"] in ("Error", "Failed") and "deleted" in first.get("message", ""), first
+    assert first["phase"] in ("Error", "Failed") and DELETED.search(first.get("message", "")), \
+        first
     assert f"resumed from s3://{BUCKET}/checkpoints/{name}/" in attempt_log(store, wf, "train", 1)
     one_pod_per_attempt(name)
     assert store.client().get_object(Bucket=BUCKET, Key=kept)["Body"].read() == name.encode()

@@ -587,9 +587,8 @@ def test_a_step_past_its_deadline_agrees(argo, local_store, tmp_path):
 
 
 # ---- 6. Task01's full case size (issue 47) --------------------------------------------------
-# beyond CI since 2026-11-29: 3 min of the node; tests/test_scale_cluster.py
-# runs 30 and 120 full-size cases the same way (docs/status.md)
-@pytest.mark.beyond_ci
+# In CI again since 2026-11-29 (late): issue 47's regression test, about 3 min of the node;
+# tests/test_scale_cluster.py runs 30, 120 and more full-size cases the same way
 def test_full_size_cases_in_the_task01_layout_run_through_the_cluster(argo, store, tmp_path):
     """Three training cases and one test case at Task01's 240×240×155 (4 channels), in its
     tar layout, served over HTTP from the node as a user's server would serve them (Range,
