@@ -262,8 +262,11 @@ class TrainResources(_Strict):
 
 
 class Resources(_Strict):
-    work_volume_size: str = Field("100Gi", pattern=_QUANTITY,
-                                  description="emptyDir sizeLimit holding artifacts in a pod")
+    # Task01's 750 cases, from the rates measured per case (docs/operations.md, "Sizing a
+    # real run"): 24.4 GB in preprocess's pod (raw in, dataset out), 14.4 GB in the others.
+    work_volume_size: str = Field("32Gi", pattern=_QUANTITY,
+                                  description="emptyDir sizeLimit holding artifacts in a pod, "
+                                              "and its ephemeral-storage request and limit")
     download: StepResources = StepResources(cpu="1", memory="2Gi", timeout="6h")
     preprocess: StepResources = StepResources(cpu="8", memory="32Gi", timeout="6h")
     convert: StepResources = StepResources(cpu="4", memory="16Gi", timeout="2h")
