@@ -13,6 +13,7 @@ pool and worker count (``os.cpu_count()`` is the node's cores, not the pod's sha
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import os
 import platform
@@ -410,6 +411,21 @@ def memory_bytes(root: Path = Path("/")) -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):  # pragma: no cover - not a POSIX system
         return 1 << 62
+
+
+_LIBC = ctypes.CDLL(None)       # the C library the interpreter runs on
+
+
+def release_freed_memory() -> bool:
+    """Hand the C heap's free pages back to the kernel (glibc's ``malloc_trim(0)``): whole-
+    volume buffers freed between validation cases of different sizes otherwise stay in the
+    process's anonymous memory, which grew with the validation cases (train on the cluster:
+    1.70x from 30 to 240 full-size cases). False where the C library has none (musl)."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is None:      # pragma: no cover - not glibc
+        return False
+    trim(0)
+    return True
 
 
 def check_memory(nbytes: int, what: str) -> None:

@@ -352,7 +352,10 @@ def evaluate(forward, cases, info, batch: int, multiple: int, n_classes: int,
             z = int(truth.reshape(truth.shape[0], -1).gt(0).sum(1).argmax())
             samples.append({"case": case.name, "slice": z,
                             "image": np.asarray(case.image[0, z], dtype=np.float32),
-                            "truth": truth[z].numpy(), "prediction": pred[z].numpy()})
+                            "truth": truth[z].numpy().copy(),
+                            "prediction": pred[z].numpy().copy()})
+        del pred, truth           # this volume's buffers, before the next one's size
+        limits.release_freed_memory()
     if world > 1:
         reduced = totals.to(info.device if info.backend != "gloo" else "cpu")
         dist.all_reduce(reduced)

@@ -6,6 +6,7 @@ mask is the real one of a child process, or a stand-in where the quota must deci
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
@@ -403,3 +404,32 @@ def test_a_literal_override_in_extra_env_replaces_the_request():
 ])
 def test_the_local_runner_resolves_the_request_as_kubernetes_does(resources, ref, value):
     assert cpu_field(resources, ref, "where") == value
+
+
+FRAGMENTED = """
+import ctypes, sys
+from steps import limits
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+chunks = [libc.malloc(64 << 10) for _ in range(1500)]       # ~94 MiB on the heap
+for c in chunks:
+    ctypes.memset(c, 1, 64 << 10)
+for c in chunks[:-1]:                                       # the last pins the heap's top
+    libc.free(c)
+before = rss()
+print(limits.release_freed_memory(), before - rss())
+"""
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "malloc_trim"), reason="not glibc")
+def test_freed_heap_memory_goes_back_to_the_kernel():
+    """Buffers freed below a live one stay in the process (glibc trims only the heap's top);
+    release_freed_memory, which train calls after each validation volume, hands them back."""
+    done = subprocess.run([sys.executable, "-c", FRAGMENTED], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    released, dropped = done.stdout.split()
+    assert released == "True" and int(dropped) > 80 << 20, done.stdout
