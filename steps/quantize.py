@@ -15,10 +15,10 @@ model card records which.
 **The gate.** The FP32 and the INT8 model segment validation volumes of the model's fold
 slice by slice (``steps.predict.segment``, the 2D inference over whole volumes that
 ``steps.predict`` uses): ``--gate-cases`` of them (16), evenly spaced over the fold, so that
-the step's time does not grow with the dataset. The step fails and publishes nothing unless the mean Dice drops by
-at most ``--max-dice-drop`` points (0.5), no class by more than ``--max-class-dice-drop``
-(1), and the two label maps agree on at least ``--min-agreement`` (0.99) of the voxels
-inside each volume's foreground box. Publishes the ``quantized``
+the step's time does not grow with the dataset. The step fails and publishes nothing unless
+the mean Dice drops by at most ``--max-dice-drop`` points (0.5), no class by more than
+``--max-class-dice-drop`` (1), and the two label maps agree on at least ``--min-agreement``
+(0.99) of the voxels inside each volume's foreground box. Publishes the ``quantized``
 artifact:
 
     unet2d-int8.onnx     same input, output and metadata_props as unet2d.onnx, so
