@@ -3,12 +3,19 @@
 A server of its own (not the session fixture), killed once objects of the artifact have
 arrived and before its MANIFEST.json has. Within the retry budget the upload completes after
 a restart; with no retries it fails with one line, and a consumer then refuses the prefix.
+
+The uploader talks to the server through a byte-counting TCP relay, and the server is killed
+from inside the relay once the first ``TRIP_BYTES`` of request bodies have passed: the moment
+no longer depends on how fast a poll loop is scheduled beside the upload. (Polling the bucket
+lost the race on a loaded 2-core CI machine: the whole upload landed between two listings.)
 """
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +28,59 @@ from workflows.s3server import SeaweedServer, find_weed
 pytestmark = [pytest.mark.faults, pytest.mark.s3, pytest.mark.slow]
 BUCKET = "outage"
 FILES, FILE_BYTES = 120, 256 << 10
+TRIP_BYTES = 8 * FILE_BYTES      # a few parts through, far from the MANIFEST (sent last)
+
+
+class _Relay:
+    """127.0.0.1 TCP relay to ``port``; calls ``trip()`` once, when ``trip_bytes`` of the
+    client's bytes have gone through, before forwarding any more of them."""
+
+    def __init__(self, port: int, trip_bytes: int, trip):
+        self.port, self.trip_bytes, self._trip = port, trip_bytes, trip
+        self.sent, self.tripped = 0, threading.Event()
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.port), timeout=5)
+            except OSError:            # the server is down: the client sees a closed link
+                client.close()
+                continue
+            upstream.settimeout(None)
+            threading.Thread(target=self._pump, args=(client, upstream, True),
+                             daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False),
+                             daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, counted: bool) -> None:
+        try:
+            while chunk := src.recv(1 << 16):
+                if counted:
+                    self._count(len(chunk))
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                sock.close()
+
+    def _count(self, size: int) -> None:
+        with self._lock:
+            self.sent += size
+            if self.sent >= self.trip_bytes and not self.tripped.is_set():
+                self.tripped.set()
+                self._trip()
+
+    def close(self) -> None:
+        self._listener.close()
 
 
 @pytest.fixture(scope="module")
@@ -47,37 +107,45 @@ def _keys(server, prefix: str) -> list[str]:
     return [o["Key"] for o in found.get("Contents", [])]
 
 
-def _cli(server, *args: str, attempts: int) -> subprocess.Popen:
+def _cli(server, *args: str, attempts: int, endpoint: str | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(server.env(), PYTHONPATH=str(REPO), UNET_S3_MAX_ATTEMPTS=str(attempts),
                UNET_S3_CONCURRENCY="1")
+    if endpoint:
+        env["AWS_ENDPOINT_URL"] = endpoint
     return subprocess.Popen([sys.executable, "-m", "steps.handoff", *args], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _kill_mid_upload(server, proc: subprocess.Popen, prefix: str) -> int:
-    """Stop the server once part of the artifact is stored; return how many objects were."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
-        keys = _keys(server, prefix)
-        if keys:
-            assert prefix + MANIFEST not in keys
-            server.stop(grace=0)
-            return len(keys)
-        time.sleep(0.01)
-    raise AssertionError(f"the upload finished before the outage: {proc.communicate()}")
+def _push_through_outage(server, artifact: Path, prefix: str, attempts: int):
+    """Start a push whose server is killed mid-upload; return (process, relay, keys stored
+    when it was killed), once it has been."""
+    stored: list[str] = []
+
+    def kill() -> None:
+        stored.extend(_keys(server, prefix))
+        server.stop(grace=0)
+
+    relay = _Relay(server.ports["s3.port"], TRIP_BYTES, kill)
+    proc = _cli(server, "push", "--artifact", "model", str(artifact),
+                f"s3://{BUCKET}/{prefix}", attempts=attempts, endpoint=relay.endpoint)
+    deadline = time.monotonic() + 120
+    while not relay.tripped.is_set() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert relay.tripped.wait(5), f"the upload ended before the outage: {proc.communicate()}"
+    assert prefix + MANIFEST not in stored
+    return proc, relay, stored
 
 
 def test_upload_survives_a_restart_within_the_retry_budget(server, artifact, tmp_path):
     prefix = "run-a/model/"
-    proc = _cli(server, "push", "--artifact", "model", str(artifact),
-                f"s3://{BUCKET}/{prefix}", attempts=8)
-    stored = _kill_mid_upload(server, proc, prefix)
+    proc, relay, stored = _push_through_outage(server, artifact, prefix, attempts=8)
     time.sleep(1.0)
     server.start()
     _, stderr = proc.communicate(timeout=180)
+    relay.close()
     assert proc.returncode == 0, stderr[-3000:]
-    assert stored < FILES + 1 and len(_keys(server, prefix)) == FILES + 1
+    assert len(stored) < FILES + 1 and len(_keys(server, prefix)) == FILES + 1
     fetched = tmp_path / "fetched"
     done = _cli(server, "fetch", "--artifact", "model", f"s3://{BUCKET}/{prefix}",
                 str(fetched), attempts=4)
@@ -89,15 +157,14 @@ def test_upload_survives_a_restart_within_the_retry_budget(server, artifact, tmp
 def test_upload_without_retries_fails_in_one_line_and_is_never_read(server, artifact,
                                                                     tmp_path):
     prefix = "run-b/model/"
-    proc = _cli(server, "push", "--artifact", "model", str(artifact),
-                f"s3://{BUCKET}/{prefix}", attempts=1)
     try:
-        _kill_mid_upload(server, proc, prefix)
+        proc, relay, _ = _push_through_outage(server, artifact, prefix, attempts=1)
         _, stderr = proc.communicate(timeout=120)
+        relay.close()
     finally:
         server.start()
     assert proc.returncode == 2
-    assert_one_error_line(stderr, f"s3://{BUCKET}/{prefix}", server.endpoint,
+    assert_one_error_line(stderr, f"s3://{BUCKET}/{prefix}", relay.endpoint,
                           "cannot reach S3")
     assert server.secret_key not in stderr
     partial = _keys(server, prefix)
