@@ -400,10 +400,15 @@ kc -n argo create secret tls argo-server-tls --cert="$ARGO_PKI/tls.crt" --key="$
 # manifests/cluster-install`, then dist/manifests/% turns `:latest` into the release's tag),
 # from the module's own manifests:
 # the full CRDs, the controller as argo/argo and `argo server` as argo/argo-server with their
-# RBAC, the server's Service. What differs: the images are ours (build.sh argo-images) and the
-# server is given the certificate above, the one thing Argo's TLS docs have a user add. The
-# server runs with its defaults otherwise, --auth-mode=client among them: every call acts with
-# the caller's own token (server/auth/gatekeeper.go); no token is a 401.
+# RBAC, the server's Service. What differs: the images are ours (build.sh argo-images), the
+# server is given the certificate above, the one thing Argo's TLS docs have a user add, and the
+# controller's DEFAULT_REQUEUE_TIME is 2s, as manifests/README.md tells users to set it: every
+# pod event requeues a workflow through a rate limiter that waits that long (default 10s,
+# workflow/controller/rate_limiters.go), and each step's end waited in it; measured A/B on this
+# cluster, the tiny DAG's time between pods went 28 -> 13 s (tests/test_scale_cluster.py,
+# benchmarks/README.md). The server runs with its defaults otherwise, --auth-mode=client among
+# them: every call acts with the caller's own token (server/auth/gatekeeper.go); no token is a
+# 401.
 install="$STATE/argo-install"
 module_manifests "github.com/argoproj/argo-workflows/v4@$ARGO_V" "$install"
 cat > "$install/kustomization.yaml" <<EOF
@@ -417,6 +422,9 @@ patches:
 - target: {kind: Deployment, name: argo-server}
   patch: '[{"op": "add", "path": "/spec/template/spec/containers/0/args/-",
             "value": "--tls-certificate-secret-name=argo-server-tls"}]'
+- target: {kind: Deployment, name: workflow-controller}
+  patch: '[{"op": "add", "path": "/spec/template/spec/containers/0/env/-",
+            "value": {"name": "DEFAULT_REQUEUE_TIME", "value": "2s"}}]'
 EOF
 kc apply --server-side -k "$install" > /dev/null
 wait_for "Argo CRDs Established" 60 kc wait --for=condition=Established crd --all --timeout=5s

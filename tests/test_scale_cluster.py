@@ -10,13 +10,17 @@ step, from its pod:
 
 - the time from the pod's creation to its first container (scheduling, sandbox), Argo's
   ``init`` container (the input artifacts loaded into the pod), ``main`` (the step), and the
-  ``wait`` container after main ended (the outputs saved);
+  ``wait`` container after main ended (the outputs saved), to the API's second; and the
+  executor's own millisecond durations of its loads and saves (``load_s``, ``save_s``);
 - the pod cgroup's memory high-water mark (page cache included) and the largest anonymous
   memory sampled, its CPU time, and the peak bytes of its emptyDirs on the node
   (tests/real_cluster.py PodUsage);
 - bytes written to S3 (its output artifacts' objects) and read (its inputs');
 
-and per run the wall time and what the run's pods still hold on the node afterwards. Then,
+and per run the wall time and what the run's pods still hold on the node afterwards.
+``test_the_controllers_requeue_time_ab`` measures the controller's ``DEFAULT_REQUEUE_TIME``
+(Argo's 10 s against cluster/up.sh's 2 s) on the tiny DAG, interleaved;
+``UNET_REQUEUE_RESULTS=FILE`` keeps its JSON. Then,
 from the smallest size to the largest, each step's growth exponent of time and S3 bytes.
 ``UNET_SCALE_RESULTS=FILE`` keeps the JSON, with the machine named. Marked ``beyond_ci``
 (``python -m pytest -m beyond_ci tests/test_scale_cluster.py``): its sizes take longer than CI
@@ -27,6 +31,8 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
+import statistics
 import time
 from datetime import datetime
 from pathlib import Path
@@ -35,9 +41,11 @@ import pytest
 
 from benchmarks.common import machine
 from benchmarks.fileserver import FileServer
+from benchmarks.orchestration import argo_breakdown
 from benchmarks.scale import FULL, OVERRIDES, STEPS, fitted, inputs_of, slope, split
-from real_cluster import (BUCKET, NODE_ANNOTATION, PodUsage, argo_nodes, compiled,
-                          container_statuses, empty_dir_bytes, pods_of, wait)
+from real_cluster import (BUCKET, CONTROLLER_NAMESPACE, NAMESPACE, NODE_ANNOTATION, PodUsage, argo_nodes, compiled,
+                          container_statuses, controller_pods, empty_dir_bytes, kubectl, pods_of,
+                          until, wait)
 from steps import storage, synthetic
 from workflows.versions import setting
 
@@ -70,6 +78,36 @@ def pod_times(pod: dict) -> dict:
             else 0.0}
 
 
+GO_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+TRANSFER = re.compile(r'msg="(Load|Save) artifact"')
+TOOK = re.compile(r"\bduration=(\S+)")
+
+
+def go_duration(text: str) -> float:
+    """Seconds in a Go ``time.Duration`` string (``240.28ms``, ``1m2.5s``)."""
+    parts = GO_DURATION.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise ValueError(f"not a Go duration: {text!r}")
+    return sum(float(n) * GO_UNITS[u] for n, u in parts)
+
+
+def transfer_times(pod: dict) -> dict:
+    """The executor's own clock for its transfers, to the millisecond: each input artifact's
+    ``Load artifact`` line in the init container's log and each output's ``Save artifact``
+    line in the wait container's (v4.0.5 workflow/artifacts/logging/driver.go, the logging
+    wrapper of every driver, logs ``duration`` on both), summed per direction. The fields'
+    order on a line is not relied on."""
+    name = pod["metadata"]["name"]
+    times = {"load_s": 0.0, "save_s": 0.0}
+    for container in ("init", "wait"):
+        for line in kubectl("-n", NAMESPACE, "logs", name, "-c", container).splitlines():
+            if (kind := TRANSFER.search(line)) and (took := TOOK.search(line)):
+                key = "load_s" if kind.group(1) == "Load" else "save_s"
+                times[key] += go_duration(took.group(1))
+    return times
+
+
 def _bytes_under(objects: dict[str, int], key: str) -> int:
     prefix = key.rstrip("/") + "/"
     return sum(size for k, size in objects.items() if k == key or k.startswith(prefix))
@@ -99,7 +137,7 @@ def run_size(argo, store, total: int) -> dict:
             for pod in pods_of(name)}
     steps = {}
     for task, pod in pods.items():
-        steps[task] = {**pod_times(pod), **usage.usage.get(pod["metadata"]["uid"], {}),
+        steps[task] = {**pod_times(pod), **transfer_times(pod), **usage.usage.get(pod["metadata"]["uid"], {}),
                        "s3_written_bytes": sum(written[task].values()),
                        "s3_read_bytes": sum(written[t][a] for t, a in inputs_of(doc)[task])}
     time.sleep(30)       # the kubelet tears a pod's volumes down when it ends
@@ -113,7 +151,8 @@ def run_size(argo, store, total: int) -> dict:
             "outside_main_share": 1 - main / wall, "steps": steps}
 
 
-GROWN = ("main_s", "init_s", "wait_after_main_s", "s3_written_bytes", "s3_read_bytes")
+GROWN = ("main_s", "init_s", "wait_after_main_s", "load_s", "save_s", "s3_written_bytes",
+         "s3_read_bytes")
 
 
 def growth(points: list[dict]) -> dict:
@@ -160,3 +199,56 @@ def test_the_dag_at_full_case_size_on_the_cluster_as_the_data_grows(argo, store)
     for step, row in report["growth"].items():        # S3 bytes at most linear
         for key in ("s3_written_bytes_exponent", "s3_read_bytes_exponent"):
             assert row.get(key, 1.0) <= 1.1, (step, key, row)
+
+
+REQUEUE = {"argo": "10s", "ours": "2s"}     # Argo's default; cluster/up.sh's
+AB_ROUNDS = int(os.environ.get("UNET_REQUEUE_ROUNDS") or 3)
+
+
+def set_requeue(value: str) -> None:
+    """The controller's DEFAULT_REQUEUE_TIME (a restart: its Deployment rolls out again), then
+    until the new pod leads. Ready is not leading: the old pod does not release its Lease
+    (v4.0.5 cmd/workflow-controller/main.go: ReleaseOnCancel false, LeaseDuration 15s), and a
+    run submitted in between loses that wait inside its own time."""
+    kubectl("-n", CONTROLLER_NAMESPACE, "set", "env", "deploy/workflow-controller",
+            f"DEFAULT_REQUEUE_TIME={value}")
+    kubectl("-n", CONTROLLER_NAMESPACE, "rollout", "status", "deploy/workflow-controller",
+            "--timeout=180s")
+    until(lambda: controller_pods(running=True) == kubectl(
+        "-n", CONTROLLER_NAMESPACE, "get", "lease", "workflow-controller", "-o",
+        "jsonpath={.spec.holderIdentity}"), 120, "the new controller holds the Lease")
+
+
+def test_the_controllers_requeue_time_ab(argo):
+    """The time between a step's pod ending and the next one's creation is Argo's workflow
+    queue: every pod event requeues the workflow through a rate limiter that waits
+    DEFAULT_REQUEUE_TIME (v4.0.5 workflow/controller/controller.go enqueueWfFromPodLabel,
+    AddRateLimited; rate_limiters.go fixedItemIntervalRateLimiter, default 10s, whose comment
+    suggests 2s for workflows of short nodes). The cluster profile's tiny DAG, interleaved A/B
+    (the order reversed every other round), a fresh synthetic seed per run so that no
+    memoized step is taken: the pods' time (argo_breakdown) should not move, the time
+    between them should."""
+    runs = {label: [] for label in REQUEUE}
+    try:
+        for i in range(AB_ROUNDS):
+            for label in (list(REQUEUE) if i % 2 == 0 else list(REQUEUE)[::-1]):
+                set_requeue(REQUEUE[label])
+                doc = compiled(f"download.source=synthetic://?cases=4&shape=32x32x16"
+                               f"&seed={int(time.time() * 1000) % 10**9}")
+                name = argo.create_workflow(doc)["metadata"]["name"]
+                wf = wait(argo, name)
+                assert wf["status"]["phase"] == "Succeeded", wf["status"].get("message")
+                runs[label].append(argo_breakdown(wf, pods_of(name)))
+    finally:
+        set_requeue(REQUEUE["ours"])
+    median = {label: {key: statistics.median(r[key] for r in rows)
+                      for key in ("wall_s", "between_s", "step_s")}
+              for label, rows in runs.items()}
+    report = {"machine": machine(), "requeue": REQUEUE, "rounds": AB_ROUNDS,
+              "median": median, "ratio_wall": median["ours"]["wall_s"] / median["argo"]["wall_s"],
+              "runs": runs}
+    text = json.dumps(report, indent=1) + "\n"
+    print(text)
+    if os.environ.get("UNET_REQUEUE_RESULTS"):
+        Path(os.environ["UNET_REQUEUE_RESULTS"]).write_text(text)
+    assert median["ours"]["between_s"] < median["argo"]["between_s"], median
