@@ -21,7 +21,7 @@ BENCHMARKS = {"preprocess": "preprocess", "loader": "loader", "train": "trainste
               "handoff": "handoff", "onnx": "onnxrt", "orchestration": "orchestration",
               "growth": "growth", "allocator": "allocator", "precision": "precision",
               "quantize": "quantize", "gpu": "gpu", "quota": "quota",
-              "contention": "contention", "scale": "scale"}
+              "contention": "contention", "scale": "scale", "footprint": "footprint"}
 RESULTS = Path(__file__).parent / "results"
 
 

@@ -129,6 +129,18 @@ def test_smoke_runs_the_cpu_share_sweep(tmp_path):
                 assert set(sides) == {"ours", *map(str, details["counts"])}
 
 
+def test_smoke_runs_the_footprint_fit(tmp_path):
+    """Preprocess at 1, 2 and 4 workers (--smoke: tiny cases), each run with the workers it
+    was given (its own log line, read by the benchmark), and the line through the pooled runs:
+    every spawned worker is a process of its own, so the memory grows with them."""
+    report = _smoke(["footprint"], tmp_path)
+    _check_rows(report, ["footprint"])
+    details = report["benchmarks"]["footprint"]["details"]
+    assert [r["workers"] for r in details["runs"]] == [1, 2, 4]
+    assert details["fit"]["per_worker_bytes"] > 0
+    assert details["runs"][2]["anon_bytes"] > details["runs"][1]["anon_bytes"]
+
+
 # beyond CI since 2026-11-29: 7 min beside the cluster's tests (docs/testing.md)
 @pytest.mark.beyond_ci
 def test_smoke_runs_the_contention_rounds(tmp_path):
