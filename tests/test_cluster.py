@@ -586,6 +586,26 @@ def test_a_step_past_its_deadline_agrees(argo, local_store, tmp_path):
     assert_agree(wf, local)
 
 
+def test_a_step_short_of_memory_is_oom_killed_and_named(argo, store):
+    """A memory request too small for its step (``resources.<step>.memory``, also the main
+    container's limit): the kernel kills main when the container's cgroup is full, the
+    kubelet reports the container OOMKilled, and Argo puts that in the node's message.
+    Preprocess is memoized and not retried, so the workflow fails there; no dataset is
+    published (docs/operations.md, failure modes). A fresh seed so that no memo entry of an
+    earlier test answers for preprocess."""
+    doc = compiled(f"download.source=synthetic://?cases=4&shape=32x32x16"
+                   f"&seed={int(time.time()) % 10**6}", "resources.preprocess.memory=200Mi",
+                   tasks=("download", "preprocess"))
+    name = argo.create_workflow(doc)["metadata"]["name"]
+    wf = wait(argo, name)
+    nodes = [n for n in wf["status"]["nodes"].values()
+             if n["displayName"].startswith("preprocess")]
+    assert wf["status"]["phase"] == "Failed", wf["status"].get("message")
+    assert any("OOMKilled" in n.get("message", "") for n in nodes), nodes
+    assert not argo_nodes(wf)["preprocess"]["memoized"]
+    assert not [k for k in keys(store, f"{name}/") if "preprocess" in k and "dataset" in k]
+
+
 # ---- 6. Task01's full case size (issue 47) --------------------------------------------------
 # In CI again since 2026-11-29 (late): issue 47's regression test, about 3 min of the node;
 # tests/test_scale_cluster.py runs 30, 120 and more full-size cases the same way
