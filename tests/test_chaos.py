@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import signal
 import subprocess
 import time
@@ -41,8 +40,8 @@ import pytest
 
 from real_cluster import (BUCKET, CFG, CONTROLLER_NAMESPACE, NAMESPACE, RUN_DIR, argo_nodes,
                           attempt_log, cli, compiled, container_statuses, controller_pods,
-                          kubectl, objects_of, pods_of, restart, scale_s3, unique, until,
-                          wait, WAIT_S)
+                          fresh_source, kubectl, objects_of, pods_of, restart, scale_s3, unique,
+                          until, wait, WAIT_S)
 from steps import storage
 from workflows.argo import DONE, ArgoError
 
@@ -532,7 +531,7 @@ def test_ten_users_at_once_share_the_cache_and_queue_for_the_node(argo, store, t
     published = cli(argo, "publish")
     assert published.returncode == 0, published.stderr
     # a source of their own, so that no earlier run's cache entry serves them
-    source = f"synthetic://?cases=4&shape=32x32x16&seed={secrets.randbelow(10 ** 6) + 1}"
+    source = fresh_source()
     rates = ["0.001", "0.002", "0.003", "0.004", "0.005", "0.006", "0.007", "0.008", "0.009",
              "0.002"]
     start = time.monotonic()

@@ -52,8 +52,8 @@ from workflows.versions import setting
 
 from real_cluster import (ARGO_URL, BUCKET, CFG, CONTROLLER_NAMESPACE, IMAGE, NAMESPACE, REPO,
                           S3_NAMESPACE, S3_PORT, STATE, api, argo_cli, argo_nodes, artifact_keys,
-                          as_account, attempt_log, cli, compiled, controller_pods,
-                          empty_dir_bytes, keys, kubectl, pods_of, request, template, text, token,
+                          as_account, attempt_log, cli, compiled, controller_pods, empty_dir_bytes,
+                          fresh_source, keys, kubectl, pods_of, request, template, text, token,
                           unique, wait)
 from train_data import OPEN_GATE, STRICT_GATE, WITH_QUANTIZE
 
@@ -593,8 +593,7 @@ def test_a_step_short_of_memory_is_oom_killed_and_named(argo, store):
     Preprocess is memoized and not retried, so the workflow fails there; no dataset is
     published (docs/operations.md, failure modes). A fresh seed so that no memo entry of an
     earlier test answers for preprocess."""
-    doc = compiled(f"download.source=synthetic://?cases=4&shape=32x32x16"
-                   f"&seed={int(time.time()) % 10**6}", "resources.preprocess.memory=200Mi",
+    doc = compiled(f"download.source={fresh_source()}", "resources.preprocess.memory=200Mi",
                    tasks=("download", "preprocess"))
     name = argo.create_workflow(doc)["metadata"]["name"]
     wf = wait(argo, name)

@@ -43,9 +43,9 @@ from benchmarks.common import machine
 from benchmarks.fileserver import FileServer
 from benchmarks.orchestration import argo_breakdown
 from benchmarks.scale import FULL, OVERRIDES, STEPS, fitted, inputs_of, slope, split
-from real_cluster import (BUCKET, CONTROLLER_NAMESPACE, NAMESPACE, NODE_ANNOTATION, PodUsage, argo_nodes, compiled,
-                          container_statuses, controller_pods, empty_dir_bytes, kubectl, pods_of,
-                          until, wait)
+from real_cluster import (BUCKET, CONTROLLER_NAMESPACE, NAMESPACE, NODE_ANNOTATION, PodUsage,
+                          argo_nodes, compiled, container_statuses, controller_pods,
+                          empty_dir_bytes, fresh_source, kubectl, pods_of, until, wait)
 from steps import storage, synthetic
 from workflows.versions import setting
 
@@ -137,7 +137,8 @@ def run_size(argo, store, total: int) -> dict:
             for pod in pods_of(name)}
     steps = {}
     for task, pod in pods.items():
-        steps[task] = {**pod_times(pod), **transfer_times(pod), **usage.usage.get(pod["metadata"]["uid"], {}),
+        steps[task] = {**pod_times(pod), **transfer_times(pod),
+                       **usage.usage.get(pod["metadata"]["uid"], {}),
                        "s3_written_bytes": sum(written[task].values()),
                        "s3_read_bytes": sum(written[t][a] for t, a in inputs_of(doc)[task])}
     time.sleep(30)       # the kubelet tears a pod's volumes down when it ends
@@ -233,8 +234,7 @@ def test_the_controllers_requeue_time_ab(argo):
         for i in range(AB_ROUNDS):
             for label in (list(REQUEUE) if i % 2 == 0 else list(REQUEUE)[::-1]):
                 set_requeue(REQUEUE[label])
-                doc = compiled(f"download.source=synthetic://?cases=4&shape=32x32x16"
-                               f"&seed={int(time.time() * 1000) % 10**9}")
+                doc = compiled(f"download.source={fresh_source()}")
                 name = argo.create_workflow(doc)["metadata"]["name"]
                 wf = wait(argo, name)
                 assert wf["status"]["phase"] == "Succeeded", wf["status"].get("message")
