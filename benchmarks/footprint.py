@@ -1,4 +1,4 @@
-"""15. Footprint: preprocess's memory as the CPUs it is given grow (issue 47: requests measured).
+"""15. Footprint: the memory each CPU step's pod must request (issue 47: requests measured).
 
 The profiles give preprocess more CPUs than the test cluster's one (the base: 8), and the step
 runs one worker process per CPU (``steps.preprocess.plan_workers``: ``--workers`` capped by
@@ -24,33 +24,81 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import Row, Settings, raw_task
-from emulator.executors import Launch, run as run_process
-from steps import limits
+from emulator.executors import Launch, quantity_bytes, run as run_process
+from steps import limits, params
+from workflows.config import load_config
 
 WORKERS = (1, 2, 4, 8)
+DOWNSTREAM = ("convert", "quantize", "evaluate")
 MIB = 1 << 20
 _USED = re.compile(r"with (\d+) worker\(s\)")
+# A model of a few steps is no INT8 test: quantize's gate opened, which reads the same volumes.
+OPEN_GATE = {"max_dice_drop": 100.0, "max_class_dice_drop": 100.0, "min_agreement": 0.0}
+
+
+def step_run(step: str, args: list[str], cpus: int, log: Path) -> tuple[dict, str]:
+    """``python -m steps.<step> ARGS`` given ``cpus`` CPUs, as a host process tree measured as
+    ``run --local`` measures a step: its peak anonymous memory and RSS, seconds, and log."""
+    env = {k: v for k, v in os.environ.items() if k not in (limits.CPUS_ENV, "OMP_NUM_THREADS")}
+    # the pod's CPUs, all of them: not fewer because other work keeps the machine busy
+    env.update({limits.CPUS_ENV: str(cpus), limits.ADAPT_ENV: "0"})
+    log.parent.mkdir(parents=True, exist_ok=True)
+    done = run_process(Launch(argv=[sys.executable, "-m", f"steps.{step}", *args], env=env,
+                              cwd=Path(__file__).resolve().parents[1], log_path=log))
+    text = log.read_text(errors="replace")
+    if done.returncode or done.max_anon_bytes is None:
+        raise RuntimeError(f"steps.{step}: exit {done.returncode}: {text[-1500:]}")
+    return {"cpus": cpus, "anon_bytes": done.max_anon_bytes, "rss_bytes": done.max_rss_bytes,
+            "seconds": done.seconds}, text
 
 
 def preprocess_anon(raw: Path, out: Path, workers: int, patch: tuple[int, int]) -> dict:
-    """One run of ``steps.preprocess`` with ``workers`` CPUs and workers: its peak anonymous
-    memory and seconds."""
+    """One run of ``steps.preprocess`` with ``workers`` CPUs and workers (its ``dataset`` left
+    in ``out``): its peak anonymous memory and seconds."""
     shutil.rmtree(out, ignore_errors=True)
-    env = {k: v for k, v in os.environ.items() if k not in (limits.CPUS_ENV, "OMP_NUM_THREADS")}
-    # the pod's CPUs, all of them: not fewer because other work keeps the machine busy
-    env.update({limits.CPUS_ENV: str(workers), limits.ADAPT_ENV: "0"})
-    done = run_process(Launch(
-        argv=[sys.executable, "-m", "steps.preprocess", "--raw", str(raw), "--dataset",
-              str(out), "--workers", str(workers), "--patch-size", "x".join(map(str, patch))],
-        env=env, cwd=Path(__file__).resolve().parents[1], log_path=out.parent / "log.txt"))
-    log = (out.parent / "log.txt").read_text(errors="replace")
+    run, log = step_run("preprocess", ["--raw", str(raw), "--dataset", str(out), "--workers",
+                                       str(workers), "--patch-size", "x".join(map(str, patch))],
+                        workers, out.parent / "log.txt")
     used = _USED.findall(log)
-    if done.returncode or done.max_anon_bytes is None or used[-1:] != [str(workers)]:
-        raise RuntimeError(f"steps.preprocess --workers {workers}: exit {done.returncode}, "
-                           f"workers {used[-1:]}: {log[-1500:]}")
-    shutil.rmtree(out, ignore_errors=True)
-    return {"workers": workers, "anon_bytes": done.max_anon_bytes,
-            "rss_bytes": done.max_rss_bytes, "seconds": done.seconds}
+    if used[-1:] != [str(workers)]:
+        raise RuntimeError(f"steps.preprocess --workers {workers} used {used[-1:]}: {log[-1500:]}")
+    return {"workers": workers, **run}
+
+
+def base_args(step: str, **changed) -> list[str]:
+    """The step's parameter flags with the base config's values, ``changed`` replacing some."""
+    section = getattr(load_config(), step)
+    out: list[str] = []
+    for p in params.STEPS[step]:
+        out += [p.flag, p.text(changed.get(p.name, getattr(section, p.name)))]
+    return out
+
+
+def downstream(settings: Settings, dataset: Path) -> list[dict]:
+    """A model of a few CPU steps with the base's network, then convert, quantize and
+    evaluate as the base runs them, each with the base's CPUs: one measured run each."""
+    work = settings.workdir / "footprint"
+    model, exported = work / "model", work / "exported"
+    for out in (model, exported, work / "quantized", work / "evaluation"):
+        shutil.rmtree(out, ignore_errors=True)
+    step_run("train", ["--dataset", str(dataset), "--model", str(model), *base_args(
+        "train", device="cpu", devices=1, precision="fp32", compile_cache=False, num_workers=0,
+        batch_size=4, val_batch_size=16, min_epochs=1, max_epochs=1, patience=0,
+        steps_per_epoch=2, base_filters=settings.base_filters, levels=settings.levels)],
+        1, work / "train.txt")
+    small = {"calibration_slices": 8} if settings.smoke else {}
+    argv = {"convert": ["--model", str(model), "--dataset", str(dataset), "--exported",
+                        str(exported), *base_args("convert")],
+            "quantize": ["--exported", str(exported), "--dataset", str(dataset), "--quantized",
+                         str(work / "quantized"), *base_args("quantize", **OPEN_GATE, **small)],
+            "evaluate": ["--exported", str(exported), "--dataset", str(dataset), "--evaluation",
+                         str(work / "evaluation"), *base_args("evaluate")]}
+    resources = load_config().resources
+    return [{"step": step, "request_bytes": quantity_bytes(getattr(resources, step).memory,
+                                                           step),
+             **step_run(step, argv[step], int(getattr(resources, step).cpu),
+                        work / f"{step}.txt")[0]}
+            for step in DOWNSTREAM]
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -63,8 +111,9 @@ def run(settings: Settings) -> dict:
     workers = WORKERS[:3] if settings.smoke else WORKERS
     cases = 2 * max(workers)          # every worker gets two cases
     raw = raw_task(settings, cases)
-    runs = [preprocess_anon(raw, settings.workdir / "footprint" / "dataset", n, settings.patch)
-            for n in workers]
+    dataset = settings.workdir / "footprint" / "dataset"
+    runs = [preprocess_anon(raw, dataset, n, settings.patch) for n in workers]
+    after = downstream(settings, dataset)
     alone, pooled = runs[0], runs[1:]          # one worker works in the step's own process
     base, per_worker = fit_line([r["workers"] for r in pooled],
                                 [r["anon_bytes"] for r in pooled])
@@ -77,6 +126,11 @@ def run(settings: Settings) -> dict:
                                  f"{', '.join(str(r['workers']) for r in pooled)} workers)",
                     "MiB", per_worker / MIB, alone["anon_bytes"] / MIB,
                     "one worker (in the step's process)"))
+    rows += [Row("footprint", f"{r['step']} anonymous memory, the base's parameters and "
+                              f"{r['cpus']} CPUs, {cases} cases of {shape}", "MiB",
+                 r["anon_bytes"] / MIB, r["request_bytes"] / MIB,
+                 "the base's memory request", "<= 0.67") for r in after]
     return {"rows": rows, "details": {"cases": cases, "shape": list(settings.shape),
                                       "runs": runs, "fit": {"base_bytes": base,
-                                                            "per_worker_bytes": per_worker}}}
+                                                            "per_worker_bytes": per_worker},
+                                      "downstream": after}}

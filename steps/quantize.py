@@ -122,10 +122,18 @@ def calibration_set(cases: list[Case], n: int, seed: int,
 
 
 class _Reader:
-    """onnxruntime's CalibrationDataReader protocol over the calibration batches."""
+    """onnxruntime's CalibrationDataReader protocol over the calibration batches, with the
+    length and ranges that its strided collection reads (``set_range``)."""
 
     def __init__(self, batches: list[np.ndarray]):
-        self.items = iter(batches)
+        self.batches = batches
+        self.set_range(0, len(batches))
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def set_range(self, start_index: int, end_index: int) -> None:
+        self.items = iter(self.batches[start_index:end_index])
 
     def get_next(self):
         batch = next(self.items, None)
@@ -133,6 +141,21 @@ class _Reader:
 
 
 # ------------------------------------------------------------------------ quantization
+
+# onnxruntime's histogram calibrators (percentile, entropy) keep every node's output for every
+# calibration batch until the last one has run (onnxruntime 1.32 quantization/calibrate.py,
+# HistogramCalibrater.collect_data): about 100 MiB a slice for the base's network, 13 GiB for
+# its 128 slices (`python -m benchmarks footprint`). quantize_static's CalibStridedMinMax calls
+# collect_data once per range of the reader instead, each range merged into the same
+# histograms (quantize.py), so the step holds the outputs of at most this many slices.
+CALIBRATION_CHUNK = 8
+
+
+def calibration_stride(n: int) -> int:
+    """The largest number of slices, at most CALIBRATION_CHUNK, that divides ``n``
+    (onnxruntime refuses ranges of unequal length)."""
+    return max(k for k in range(1, min(n, CALIBRATION_CHUNK) + 1) if n % k == 0)
+
 
 def end_convolutions(model) -> list[str]:
     """Names of the first convolution (reads the input) and the last (feeds the output) of
@@ -161,7 +184,9 @@ def quantize(fp32: Path, out: Path, calibration: Calibration, method: str,
                         quant_format=QuantFormat.QDQ, per_channel=True,
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                         calibrate_method=methods[method], nodes_to_exclude=keep,
-                        op_types_to_quantize=list(QUANTIZED_OPS))
+                        op_types_to_quantize=list(QUANTIZED_OPS),
+                        extra_options={"CalibStridedMinMax":
+                                       calibration_stride(len(calibration.batches))})
     quantized = onnx.load(str(out))
     del quantized.metadata_props[:]
     for prop in model.metadata_props:   # predict reads its contract from these

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common import Row
+from emulator.executors import quantity_bytes
+from workflows.config import load_config
 
 pytestmark = pytest.mark.slow  # runs the benchmarks' smoke mode and whole pipelines
 
@@ -132,13 +134,21 @@ def test_smoke_runs_the_cpu_share_sweep(tmp_path):
 def test_smoke_runs_the_footprint_fit(tmp_path):
     """Preprocess at 1, 2 and 4 workers (--smoke: tiny cases), each run with the workers it
     was given (its own log line, read by the benchmark), and the line through the pooled runs:
-    every spawned worker is a process of its own, so the memory grows with them."""
+    every spawned worker is a process of its own, so the memory grows with them. Then
+    convert, quantize and evaluate, each with the CPUs and against the memory the base
+    requests for it."""
     report = _smoke(["footprint"], tmp_path)
     _check_rows(report, ["footprint"])
     details = report["benchmarks"]["footprint"]["details"]
     assert [r["workers"] for r in details["runs"]] == [1, 2, 4]
     assert details["fit"]["per_worker_bytes"] > 0
     assert details["runs"][2]["anon_bytes"] > details["runs"][1]["anon_bytes"]
+    resources = load_config().resources
+    assert [r["step"] for r in details["downstream"]] == ["convert", "quantize", "evaluate"]
+    for run in details["downstream"]:
+        given = getattr(resources, run["step"])
+        assert run["cpus"] == int(given.cpu) and run["anon_bytes"] > 0, run
+        assert run["request_bytes"] == quantity_bytes(given.memory, run["step"]), run
 
 
 # beyond CI since 2026-11-29: 7 min beside the cluster's tests (docs/testing.md)

@@ -185,6 +185,40 @@ def test_the_gate_segments_only_gate_cases_volumes(exported, tmp_path, monkeypat
     assert not (tmp_path / "quantized").exists() or not any((tmp_path / "quantized").iterdir())
 
 
+def test_calibration_holds_the_outputs_of_a_few_slices_at_a_time(exported, tmp_path,
+                                                                  monkeypatch):
+    """onnxruntime's histogram calibrators keep every node's output until collect_data
+    returns (13 GiB for the base's 128 slices): the step calls it on ranges of at most
+    CALIBRATION_CHUNK slices, equal in length, every slice once."""
+    from onnxruntime.quantization import calibrate
+    counts: list[int] = []
+    real = calibrate.HistogramCalibrater.collect_data
+
+    class Counting:
+        def __init__(self, reader):
+            self.reader = reader
+
+        def get_next(self):
+            batch = self.reader.get_next()
+            counts[-1] += batch is not None
+            return batch
+
+    def counted(self, reader):
+        counts.append(0)
+        return real(self, Counting(reader))
+
+    monkeypatch.setattr(calibrate.HistogramCalibrater, "collect_data", counted)
+    meta = read_metadata(exported / "dataset")
+    train, _ = fold_names(meta, 0)
+    calibration = calibration_set(open_cases(exported / "dataset", meta, train), 12, 0,
+                                  tuple(meta["patch_size"]))
+    quantize_step.quantize(exported / "exported" / quantize_step.FP32_FILE,
+                           tmp_path / "int8.onnx", calibration, "percentile", "first-last")
+    assert counts == [6, 6]
+    assert quantize_step.calibration_stride(128) == quantize_step.CALIBRATION_CHUNK == 8
+    assert quantize_step.calibration_stride(131) == 1
+
+
 def test_bad_calibration_fails_the_gate_and_publishes_nothing(exported, tmp_path):
     """All-zero training slices give activation ranges of nothing: the INT8 model cannot
     follow the FP32 one, and the step says so in one line."""
