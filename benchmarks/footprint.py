@@ -29,7 +29,6 @@ from steps import limits, params
 from workflows.config import load_config
 
 WORKERS = (1, 2, 4, 8)
-DOWNSTREAM = ("convert", "quantize", "evaluate")
 MIB = 1 << 20
 _USED = re.compile(r"with (\d+) worker\(s\)")
 # A model of a few steps is no INT8 test: quantize's gate opened, which reads the same volumes.
@@ -74,31 +73,61 @@ def base_args(step: str, **changed) -> list[str]:
     return out
 
 
-def downstream(settings: Settings, dataset: Path) -> list[dict]:
-    """A model of a few CPU steps with the base's network, then convert, quantize and
-    evaluate as the base runs them, each with the base's CPUs: one measured run each."""
-    work = settings.workdir / "footprint"
-    model, exported = work / "model", work / "exported"
-    for out in (model, exported, work / "quantized", work / "evaluation"):
-        shutil.rmtree(out, ignore_errors=True)
-    step_run("train", ["--dataset", str(dataset), "--model", str(model), *base_args(
+def exported_fold(settings: Settings, dataset: Path, fold: int) -> Path:
+    """``fold``'s model, trained for two CPU steps with the base's network, then converted
+    with the base's parameters (the run measured for fold 0): its ``exported`` folder."""
+    work = settings.workdir / "footprint" / f"fold-{fold}"
+    shutil.rmtree(work, ignore_errors=True)
+    step_run("train", ["--dataset", str(dataset), "--model", str(work / "model"), *base_args(
         "train", device="cpu", devices=1, precision="fp32", compile_cache=False, num_workers=0,
         batch_size=4, val_batch_size=16, min_epochs=1, max_epochs=1, patience=0,
-        steps_per_epoch=2, base_filters=settings.base_filters, levels=settings.levels)],
-        1, work / "train.txt")
+        steps_per_epoch=2, base_filters=settings.base_filters, levels=settings.levels,
+        fold=fold)], 1, work / "train.txt")
+    if fold:
+        step_run("convert", ["--model", str(work / "model"), "--dataset", str(dataset),
+                             "--exported", str(work / "exported"), *base_args("convert")],
+                 1, work / "convert.txt")
+    return work / "exported"
+
+
+def downstream(settings: Settings, dataset: Path) -> list[dict]:
+    """Convert, quantize and evaluate as the base runs them, each with the base's CPUs, on
+    fold 0's model; then the folds' ensemble (which runs with convert's resources) and
+    quantize on it, as the folds' DAG runs them: one measured run each."""
+    work = settings.workdir / "footprint"
+    model, exported = work / "fold-0" / "model", work / "fold-0" / "exported"
+    exported_fold(settings, dataset, 0)
+    others = [exported_fold(settings, dataset, k) for k in range(1, params.N_FOLDS)]
+    for out in (work / "quantized", work / "evaluation", work / "ensemble",
+                work / "quantized-ensemble"):
+        shutil.rmtree(out, ignore_errors=True)
     small = {"calibration_slices": 8} if settings.smoke else {}
-    argv = {"convert": ["--model", str(model), "--dataset", str(dataset), "--exported",
-                        str(exported), *base_args("convert")],
-            "quantize": ["--exported", str(exported), "--dataset", str(dataset), "--quantized",
-                         str(work / "quantized"), *base_args("quantize", **OPEN_GATE, **small)],
-            "evaluate": ["--exported", str(exported), "--dataset", str(dataset), "--evaluation",
-                         str(work / "evaluation"), *base_args("evaluate")]}
+    gate = {**OPEN_GATE, **small}
+    runs = [  # (what, the config's resources it runs with, argv)
+        ("convert", "convert", ["--model", str(model), "--dataset", str(dataset), "--exported",
+                                str(exported), *base_args("convert")]),
+        ("quantize", "quantize", ["--exported", str(exported), "--dataset", str(dataset),
+                                  "--quantized", str(work / "quantized"),
+                                  *base_args("quantize", **gate)]),
+        ("evaluate", "evaluate", ["--exported", str(exported), "--dataset", str(dataset),
+                                  "--evaluation", str(work / "evaluation"),
+                                  *base_args("evaluate")]),
+        ("ensemble", "convert", ["--exported", str(exported),
+                                 *[a for e in others for a in ("--with-exported", str(e))],
+                                 "--dataset", str(dataset), "--ensemble",
+                                 str(work / "ensemble")]),
+        ("quantize", "quantize", ["--exported", str(work / "ensemble"), "--dataset",
+                                  str(dataset), "--quantized", str(work / "quantized-ensemble"),
+                                  *base_args("quantize", **gate)])]
     resources = load_config().resources
-    return [{"step": step, "request_bytes": quantity_bytes(getattr(resources, step).memory,
-                                                           step),
-             **step_run(step, argv[step], int(getattr(resources, step).cpu),
-                        work / f"{step}.txt")[0]}
-            for step in DOWNSTREAM]
+    out = []
+    for i, (step, section, argv) in enumerate(runs):
+        given = getattr(resources, section)
+        measured, _ = step_run(step, argv, int(given.cpu), work / f"{i}-{step}.txt")
+        out.append({"step": step, "model": "ensemble" if i >= 3 else "fold 0",
+                    "resources": section, "request_bytes": quantity_bytes(given.memory, section),
+                    **measured})
+    return out
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -126,10 +155,10 @@ def run(settings: Settings) -> dict:
                                  f"{', '.join(str(r['workers']) for r in pooled)} workers)",
                     "MiB", per_worker / MIB, alone["anon_bytes"] / MIB,
                     "one worker (in the step's process)"))
-    rows += [Row("footprint", f"{r['step']} anonymous memory, the base's parameters and "
-                              f"{r['cpus']} CPUs, {cases} cases of {shape}", "MiB",
-                 r["anon_bytes"] / MIB, r["request_bytes"] / MIB,
-                 "the base's memory request", "<= 0.67") for r in after]
+    rows += [Row("footprint", f"{r['step']} anonymous memory ({r['model']}'s model), the "
+                              f"base's parameters and {r['cpus']} CPUs, {cases} cases of "
+                              f"{shape}", "MiB", r["anon_bytes"] / MIB, r["request_bytes"] / MIB,
+                 f"the base's resources.{r['resources']}.memory", "<= 0.67") for r in after]
     return {"rows": rows, "details": {"cases": cases, "shape": list(settings.shape),
                                       "runs": runs, "fit": {"base_bytes": base,
                                                             "per_worker_bytes": per_worker},

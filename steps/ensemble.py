@@ -109,9 +109,14 @@ def parity(path: Path, folders: list[Path], dataset: Path, n_classes: int) -> di
     picks = picks[:: max(1, len(picks) // PARITY_SLICES)][:PARITY_SLICES]
     folds = [predict.open_session(f / predict.ONNX_FILE) for f in folders]
     ensemble = predict.open_session(path)
+    multiple = int(predict.read_contract(ensemble, path)["size_multiple"])
     worst = 0.0
     for case, d in picks:
-        x = np.ascontiguousarray(case.image[None, :, d], dtype=np.float32)
+        # a stored slice is as wide as its case's brain (at least the patch), not a multiple
+        # of the network's: padded with the background, as predict and evaluate pad it
+        image = case.image[:, d]
+        x = predict.pad_to_multiple(np.asarray(image[None], dtype=np.float32), multiple,
+                                    predict.background_fill(image))
         mean = evaluate.window_softmax(folds, x, n_classes, mirroring=False)
         got = evaluate.window_softmax([ensemble], x, n_classes, mirroring=False)
         worst = max(worst, float(np.abs(got - mean).max()))

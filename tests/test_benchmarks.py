@@ -135,8 +135,9 @@ def test_smoke_runs_the_footprint_fit(tmp_path):
     """Preprocess at 1, 2 and 4 workers (--smoke: tiny cases), each run with the workers it
     was given (its own log line, read by the benchmark), and the line through the pooled runs:
     every spawned worker is a process of its own, so the memory grows with them. Then
-    convert, quantize and evaluate, each with the CPUs and against the memory the base
-    requests for it."""
+    convert, quantize and evaluate on one fold's model, and the five folds' ensemble and
+    quantize on it, each with the CPUs and against the memory the base gives the resources it
+    runs with (the ensemble: convert's)."""
     report = _smoke(["footprint"], tmp_path)
     _check_rows(report, ["footprint"])
     details = report["benchmarks"]["footprint"]["details"]
@@ -144,11 +145,14 @@ def test_smoke_runs_the_footprint_fit(tmp_path):
     assert details["fit"]["per_worker_bytes"] > 0
     assert details["runs"][2]["anon_bytes"] > details["runs"][1]["anon_bytes"]
     resources = load_config().resources
-    assert [r["step"] for r in details["downstream"]] == ["convert", "quantize", "evaluate"]
+    assert [(r["step"], r["model"], r["resources"]) for r in details["downstream"]] == [
+        ("convert", "fold 0", "convert"), ("quantize", "fold 0", "quantize"),
+        ("evaluate", "fold 0", "evaluate"), ("ensemble", "ensemble", "convert"),
+        ("quantize", "ensemble", "quantize")]
     for run in details["downstream"]:
-        given = getattr(resources, run["step"])
+        given = getattr(resources, run["resources"])
         assert run["cpus"] == int(given.cpu) and run["anon_bytes"] > 0, run
-        assert run["request_bytes"] == quantity_bytes(given.memory, run["step"]), run
+        assert run["request_bytes"] == quantity_bytes(given.memory, run["resources"]), run
 
 
 # beyond CI since 2026-11-29: 7 min beside the cluster's tests (docs/testing.md)

@@ -53,6 +53,24 @@ def oracle(path, channels, labels) -> None:
         channels, labels)
 
 
+def coarse(path, channels, labels) -> None:
+    """The oracle seen through MULTIPLE x MULTIPLE blocks (average-pooled, then repeated):
+    like the U-Net, its logits have the input's size only where each side is a multiple of
+    MULTIPLE."""
+    model_file(path, [
+        helper.make_node("Slice", ["image", "c0", "c1", "axis"], ["x0"]),
+        helper.make_node("AveragePool", ["x0"], ["pooled"], kernel_shape=[MULTIPLE, MULTIPLE],
+                         strides=[MULTIPLE, MULTIPLE]),
+        helper.make_node("Resize", ["pooled", "", "scales"], ["up"], mode="nearest"),
+        helper.make_node("Sub", ["up", "classes"], ["d"]),
+        helper.make_node("Mul", ["d", "d"], ["d2"]),
+        helper.make_node("Neg", ["d2"], ["logits"])],
+        {"c0": np.array([0]), "c1": np.array([1]), "axis": np.array([1]),
+         "scales": np.array([1, 1, MULTIPLE, MULTIPLE], dtype=np.float32),
+         "classes": np.arange(N_CLASSES, dtype=np.float32).reshape(1, -1, 1, 1)},
+        channels, labels)
+
+
 KERNEL = np.array([[0.0, 0.2, 1.0], [0.1, 0.5, 2.0], [0.0, 0.0, 0.3]], dtype=np.float32)
 
 
@@ -283,6 +301,24 @@ def test_the_ensemble_is_one_graph_of_the_folds_mean_softmax(labelled, tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads((tmp_path / "scored" / evaluate.RESULT_FILE).read_text())
     assert result["models"][0]["folds"] == [0, 1] and result["trained_on_by"] == 2
+
+
+def test_the_ensembles_parity_pads_slices_to_the_networks_multiple(tmp_path):
+    """The stored slices are as wide as each case's brain, not multiples of the network's
+    size multiple: the parity check pads them with the background, as evaluate and predict do
+    (it fed them as they were, which a U-Net refuses, and so did the smoke of the footprint
+    benchmark's ensemble, on cases 34 pixels high)."""
+    dataset = make_dataset(tmp_path / "made", cases=3, shape="48x48x12", seed=3, patch="32x32")
+    meta = read_metadata(dataset)
+    assert any(side % MULTIPLE for case in meta["cases"] for side in case["shape"][2:])
+    folds = [exported(tmp_path / "f0", coarse, meta, 0),
+             exported(tmp_path / "f1", oracle, meta, 1)]
+    out = tmp_path / "ensemble"
+    done = run_step("ensemble", "--exported", str(folds[0]), "--with-exported", str(folds[1]),
+                    "--dataset", str(dataset), "--ensemble", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    card = predict.read_card(out)
+    assert card["parity"]["passed"] is True and card["parity"]["max_abs_softmax_diff"] <= 1e-4
 
 
 def test_quantize_keeps_each_members_end_convolutions_in_float(labelled, tmp_path):
