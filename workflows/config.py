@@ -273,13 +273,12 @@ class Resources(_Strict):
     # footprint`), so 8Gi with half of that to spare (page cache of the cases it reads and
     # writes is reclaimed under the limit).
     preprocess: StepResources = StepResources(cpu="8", memory="8Gi", timeout="6h")
-    # With the base's parameters and CPUs on full-size cases (the same benchmark): convert
-    # 2.0 GiB of anonymous memory, quantize 2.8 GiB, evaluate 1.7 GiB, whatever the number of
-    # cases. Convert's 16Gi stays: the folds' ensemble step runs with it, unmeasured. So does
-    # quantize's: it quantizes that ensemble of five too, whose calibration alone took 6.9 GiB.
-    # Evaluate's (and the folds' pool's) is 4Gi, where it was 16Gi.
-    convert: StepResources = StepResources(cpu="4", memory="16Gi", timeout="2h")
-    quantize: StepResources = StepResources(cpu="4", memory="16Gi", timeout="2h")
+    # With the base's parameters and CPUs on full-size cases (the same benchmark), whatever
+    # the number of cases: convert 2.0 GiB of anonymous memory and the folds' ensemble, which
+    # runs with convert's resources, 2.7 GiB; quantize 2.8 GiB, and 6.6 GiB on that ensemble
+    # of five models; evaluate 1.7 GiB. Each with half again to spare (all were 16Gi).
+    convert: StepResources = StepResources(cpu="4", memory="6Gi", timeout="2h")
+    quantize: StepResources = StepResources(cpu="4", memory="12Gi", timeout="2h")
     evaluate: StepResources = StepResources(cpu="4", memory="4Gi", timeout="6h")
     handoff: StepResources = Field(StepResources(cpu="1", memory="2Gi", timeout="2h"),
                                    description="multi-node only: share-dataset, collect-model")
