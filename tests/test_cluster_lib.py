@@ -47,26 +47,37 @@ def test_restore_sysctls_is_silent_when_all_take(tmp_path):
 
 
 # ---- cluster/forward.py: the port-forward that outlives kubectl's ----------------------------
-# A stand-in kubectl for one connection: every third ends without answering (as a kubectl that
-# another connection's reset took down while it accepted), the others answer in upper case and
-# then end as the real one does when the server resets the stream after the call. The real
-# one, on the real cluster, is tests/test_cluster.py's 200 calls in a row.
+# A stand-in kubectl for one connection. Every third connection (its bytes carry its number)
+# is not answered the first time a kubectl gets it: that kubectl ends without answering, as one
+# that another connection's reset took down while it accepted. The others answer in upper case
+# and then end as the real one does when the server resets the stream after the call. Which
+# connection fails is the connection's, not the kubectl's: numbering the kubectls (a counter
+# file each read and rewrote) let concurrent ones share a number, and a run of failing ones
+# could then use up one connection's resends (CI, 2026-11-30: connection 13 got nothing). The
+# real one, on the real cluster, is tests/test_cluster.py's 200 calls in a row.
 FAKE_KUBECTL = '''#!{python}
-import pathlib, socket, sys
-counter = pathlib.Path({counter!r})
-n = int(counter.read_text() or 0) if counter.exists() else 0
-counter.write_text(str(n + 1))
+import os, socket, sys
 server = socket.socket()
 server.bind(("127.0.0.1", 0))
 server.listen()
 print(f"Forwarding from 127.0.0.1:{{server.getsockname()[1]}} -> {{sys.argv[-1][1:]}}", flush=True)
 conn, _ = server.accept()
-if n % 3 != 1:
-    conn.sendall(conn.recv(100).upper())
+data = b""
+while not data.endswith(b"\\n") and (chunk := conn.recv(100)):
+    data += chunk
+number = int(data.split(b"-")[1])
+try:    # the first kubectl to get this connection (an atomic claim: O_EXCL)
+    os.close(os.open(os.path.join({seen!r}, str(number)), os.O_CREAT | os.O_EXCL))
+    first = True
+except FileExistsError:
+    first = False
+if not (first and number % 3 == 1):
+    conn.sendall(data.upper())
 conn.close()
 print("error: lost connection to pod", file=sys.stderr)
 sys.exit(1)
 '''
+RESENT = range(1, 20, 3)      # the connections of the 20 that are not answered the first time
 
 
 def _running(program: Path) -> list[str]:
@@ -87,12 +98,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ask(port: int, deadline: float = 30) -> bytes:
+def _ask(port: int, number: int, deadline: float = 30) -> bytes:
     end = time.monotonic() + deadline
     while True:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=20) as conn:
-                conn.sendall(b"ping")
+                conn.sendall(f"ping-{number}-\n".encode())
                 return conn.recv(100)
         except ConnectionRefusedError:   # only until forward.py listens
             if time.monotonic() > end:
@@ -104,8 +115,8 @@ def test_forward_gives_each_connection_a_kubectl_and_resends_an_unanswered_one(t
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     kubectl = bin_dir / "kubectl"
-    kubectl.write_text(FAKE_KUBECTL.format(python=sys.executable,
-                                           counter=str(tmp_path / "started")))
+    (tmp_path / "seen").mkdir()
+    kubectl.write_text(FAKE_KUBECTL.format(python=sys.executable, seen=str(tmp_path / "seen")))
     kubectl.chmod(0o755)
     port = _free_port()
     log = tmp_path / "forward.log"
@@ -115,15 +126,15 @@ def test_forward_gives_each_connection_a_kubectl_and_resends_an_unanswered_one(t
              "-n", "argo", "svc/argo-server"], stderr=err,
             env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
     try:
-        answers = [_ask(port) for _ in range(12)]
+        answers = [_ask(port, n) for n in range(12)]
         with ThreadPoolExecutor(4) as pool:          # connections at once
-            answers += list(pool.map(lambda _: _ask(port), range(8)))
+            answers += list(pool.map(lambda n: _ask(port, n), range(12, 20)))
     finally:
         forward.terminate()
         forward.wait(timeout=30)
-    assert answers == [b"PING"] * 20            # none refused, none lost
+    assert answers == [f"PING-{n}-\n".encode() for n in range(20)]   # none refused or lost
     assert not _running(kubectl), "forward.py left a kubectl of its own running"
     said = log.read_text()
     assert said.count("ended before its connection was answered (exit 1: error: lost "
-                      "connection to pod); sent again") >= 6, said
+                      "connection to pod); sent again") == len(RESENT), said
     assert "Traceback" not in said and "Task was destroyed" not in said, said
