@@ -95,38 +95,39 @@ def downstream(settings: Settings, dataset: Path) -> list[dict]:
     fold 0's model; then the folds' ensemble (which runs with convert's resources) and
     quantize on it, as the folds' DAG runs them: one measured run each."""
     work = settings.workdir / "footprint"
-    model, exported = work / "fold-0" / "model", work / "fold-0" / "exported"
-    exported_fold(settings, dataset, 0)
+    exported = exported_fold(settings, dataset, 0)
+    model = exported.parent / "model"
     others = [exported_fold(settings, dataset, k) for k in range(1, params.N_FOLDS)]
     for out in (work / "quantized", work / "evaluation", work / "ensemble",
                 work / "quantized-ensemble"):
         shutil.rmtree(out, ignore_errors=True)
     small = {"calibration_slices": 8} if settings.smoke else {}
     gate = {**OPEN_GATE, **small}
-    runs = [  # (what, the config's resources it runs with, argv)
-        ("convert", "convert", ["--model", str(model), "--dataset", str(dataset), "--exported",
-                                str(exported), *base_args("convert")]),
-        ("quantize", "quantize", ["--exported", str(exported), "--dataset", str(dataset),
-                                  "--quantized", str(work / "quantized"),
-                                  *base_args("quantize", **gate)]),
-        ("evaluate", "evaluate", ["--exported", str(exported), "--dataset", str(dataset),
-                                  "--evaluation", str(work / "evaluation"),
-                                  *base_args("evaluate")]),
-        ("ensemble", "convert", ["--exported", str(exported),
-                                 *[a for e in others for a in ("--with-exported", str(e))],
-                                 "--dataset", str(dataset), "--ensemble",
-                                 str(work / "ensemble")]),
-        ("quantize", "quantize", ["--exported", str(work / "ensemble"), "--dataset",
-                                  str(dataset), "--quantized", str(work / "quantized-ensemble"),
-                                  *base_args("quantize", **gate)])]
+    ensemble = work / "ensemble"
+    with_others = [a for e in others for a in ("--with-exported", str(e))]
+    runs = [  # (what, on whose model, the config's resources it runs with, argv)
+        ("convert", "fold 0", "convert",
+         ["--model", str(model), "--dataset", str(dataset), "--exported", str(exported),
+          *base_args("convert")]),
+        ("quantize", "fold 0", "quantize",
+         ["--exported", str(exported), "--dataset", str(dataset), "--quantized",
+          str(work / "quantized"), *base_args("quantize", **gate)]),
+        ("evaluate", "fold 0", "evaluate",
+         ["--exported", str(exported), "--dataset", str(dataset), "--evaluation",
+          str(work / "evaluation"), *base_args("evaluate")]),
+        ("ensemble", "ensemble", "convert",
+         ["--exported", str(exported), *with_others, "--dataset", str(dataset), "--ensemble",
+          str(ensemble)]),
+        ("quantize", "ensemble", "quantize",
+         ["--exported", str(ensemble), "--dataset", str(dataset), "--quantized",
+          str(work / "quantized-ensemble"), *base_args("quantize", **gate)])]
     resources = load_config().resources
     out = []
-    for i, (step, section, argv) in enumerate(runs):
+    for i, (step, model_of, section, argv) in enumerate(runs):
         given = getattr(resources, section)
         measured, _ = step_run(step, argv, int(given.cpu), work / f"{i}-{step}.txt")
-        out.append({"step": step, "model": "ensemble" if i >= 3 else "fold 0",
-                    "resources": section, "request_bytes": quantity_bytes(given.memory, section),
-                    **measured})
+        out.append({"step": step, "model": model_of, "resources": section,
+                    "request_bytes": quantity_bytes(given.memory, section), **measured})
     return out
 
 

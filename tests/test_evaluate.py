@@ -271,6 +271,14 @@ def test_the_pool_joins_the_folds_held_out_cases(labelled, pool_of_two, tmp_path
 
 # ------------------------------------------------------------------------- the ensemble
 
+def run_ensemble(folds, dataset, out, *extra: str):
+    """``steps.ensemble`` of the ``folds``' exported artifacts (the first as ``--exported``,
+    the others as ``--with-exported``) into ``out``; ``extra`` flags before ``--ensemble``."""
+    return run_step("ensemble", "--exported", str(folds[0]),
+                    *[a for f in folds[1:] for a in ("--with-exported", str(f))],
+                    "--dataset", str(dataset), *extra, "--ensemble", str(out))
+
+
 def test_the_ensemble_is_one_graph_of_the_folds_mean_softmax(labelled, tmp_path):
     """steps.ensemble merges two different models (of folds 0 and 1): the softmax of its
     ``logits`` is the mean of theirs within 1e-4 (on slices it was not checked on), its card
@@ -279,8 +287,7 @@ def test_the_ensemble_is_one_graph_of_the_folds_mean_softmax(labelled, tmp_path)
     folds = [exported(tmp_path / "f0", oracle, meta, 0),
              exported(tmp_path / "f1", asymmetric, meta, 1)]
     out = tmp_path / "ensemble"
-    done = run_step("ensemble", "--exported", str(folds[0]), "--with-exported", str(folds[1]),
-                    "--dataset", str(dataset), "--ensemble", str(out))
+    done = run_ensemble(folds, dataset, out)
     assert done.returncode == 0, done.stderr[-2000:]
     require(out, "exported")
     card = predict.read_card(out)
@@ -314,8 +321,7 @@ def test_the_ensembles_parity_pads_slices_to_the_networks_multiple(tmp_path):
     folds = [exported(tmp_path / "f0", coarse, meta, 0),
              exported(tmp_path / "f1", oracle, meta, 1)]
     out = tmp_path / "ensemble"
-    done = run_step("ensemble", "--exported", str(folds[0]), "--with-exported", str(folds[1]),
-                    "--dataset", str(dataset), "--ensemble", str(out))
+    done = run_ensemble(folds, dataset, out)
     assert done.returncode == 0, done.stderr[-2000:]
     card = predict.read_card(out)
     assert card["parity"]["passed"] is True and card["parity"]["max_abs_softmax_diff"] <= 1e-4
@@ -356,9 +362,8 @@ def test_the_ensemble_carries_the_pooled_figures_and_its_postprocessing(labelled
                                            "largest_component_labels": ["enhancing"]}}
     with publish(tmp_path / "pageless", "pooled-evaluation", "evaluate", {}) as out:
         (out / evaluate.POOLED_FILE).write_text(json.dumps(decided))
-    pageless = run_step("ensemble", "--exported", str(folds[0]), "--with-exported",
-                        str(folds[1]), "--dataset", str(dataset), "--pooled",
-                        str(tmp_path / "pageless"), "--ensemble", str(tmp_path / "nothing"))
+    pageless = run_ensemble(folds, dataset, tmp_path / "nothing",
+                            "--pooled", str(tmp_path / "pageless"))
     assert pageless.returncode == 2 and "pooled.html is missing" in pageless.stderr
     assert not (tmp_path / "nothing").exists()
     with publish(tmp_path / "decided", "pooled-evaluation", "evaluate", {}) as out:
@@ -366,9 +371,7 @@ def test_the_ensemble_carries_the_pooled_figures_and_its_postprocessing(labelled
         shutil.copyfile(pooled / evaluate.POOLED_PAGE, out / evaluate.POOLED_PAGE)
     for source, groups in ((pooled, []), (tmp_path / "decided", [[1, 2, 3], [3]])):
         out = tmp_path / f"ensemble-{source.name}"
-        done = run_step("ensemble", "--exported", str(folds[0]), "--with-exported",
-                        str(folds[1]), "--dataset", str(dataset), "--pooled", str(source),
-                        "--ensemble", str(out))
+        done = run_ensemble(folds, dataset, out, "--pooled", str(source))
         assert done.returncode == 0, done.stderr[-2000:]
         card = predict.read_card(out)
         assert card["cross_validation"]["folds"] == [0, 1]
@@ -379,9 +382,8 @@ def test_the_ensemble_carries_the_pooled_figures_and_its_postprocessing(labelled
         path = out / predict.ONNX_FILE
         assert predict.read_contract(predict.open_session(path), path)["postprocessing"] == \
             groups
-    other = run_step("ensemble", "--exported", str(folds[0]), "--with-exported",
-                     str(exported(tmp_path / "f2", oracle, meta, 2)), "--dataset", str(dataset),
-                     "--pooled", str(pooled), "--ensemble", str(tmp_path / "other"))
+    other = run_ensemble([folds[0], exported(tmp_path / "f2", oracle, meta, 2)], dataset,
+                         tmp_path / "other", "--pooled", str(pooled))
     assert other.returncode == 2 and "pools folds [0, 1], the ensemble's are [0, 2]" in \
         other.stderr, other.stderr
     assert not (tmp_path / "other").exists()
@@ -390,7 +392,6 @@ def test_the_ensemble_carries_the_pooled_figures_and_its_postprocessing(labelled
 def test_an_ensemble_takes_one_model_per_fold(labelled, tmp_path):
     dataset, meta = labelled
     folds = [exported(tmp_path / f"f{k}", oracle, meta, 0) for k in (0, 1)]
-    done = run_step("ensemble", "--exported", str(folds[0]), "--with-exported", str(folds[1]),
-                    "--dataset", str(dataset), "--ensemble", str(tmp_path / "out"))
+    done = run_ensemble(folds, dataset, tmp_path / "out")
     assert done.returncode == 2 and "hold out folds [0, 0]" in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
