@@ -187,7 +187,9 @@ cat > "$STATE/cni/net.d/10-unet.conflist" <<EOF
 EOF
 # containerd 1.6 CRI options (pkg/cri/config/config.go): restrict_oom_score_adj because root lacks
 # CAP_SYS_RESOURCE here; the sandbox image is ours; streaming stays on loopback; pod network
-# namespaces under our state folder rather than /run/netns.
+# namespaces under our state folder rather than /run/netns; discard_unpacked_layers because
+# load-image.sh deletes an image's layer blobs once unpacked (a containerd that checks for them
+# before it reports an image present does so only without this option).
 cat > "$STATE/containerd.toml" <<EOF
 version = 2
 root = "$STATE/containerd"
@@ -204,6 +206,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   netns_mounts_under_state_dir = true
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
+    discard_unpacked_layers = true
     default_runtime_name = "runc"
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"

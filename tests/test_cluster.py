@@ -30,6 +30,7 @@ import ipaddress
 import json
 import os
 import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -305,6 +306,28 @@ def test_the_steps_ran_on_the_pod_network_under_baseline(first_run, store):
     assert storage[0]["data"]["endpoint"] == f"http://s3.{S3_NAMESPACE}.svc:{S3_PORT}"
     assert yaml.safe_load(storage[1]["data"]["default-v1"])["s3"]["endpoint"] == \
         f"s3.{S3_NAMESPACE}.svc:{S3_PORT}"
+
+
+def _ctr(*args: str) -> str:
+    sock = Path(os.environ.get("UNET_CLUSTER_RUN", "/run/unet-cluster")) / "containerd" / \
+        "containerd.sock"
+    return subprocess.run(["ctr", "--address", str(sock), "-n", "k8s.io", *args], check=True,
+                          capture_output=True, text=True, timeout=60).stdout
+
+
+def test_the_node_holds_the_image_once_its_snapshots(first_run):
+    """After pods ran from the pipeline's image, containerd keeps its unpacked snapshots and none
+    of its layer blobs (cluster/load-image.sh deletes them once unpacked): the node's disk holds
+    the 6 GB image once, not twice."""
+    assert first_run["status"]["phase"] == "Succeeded"
+    manifest_digest = _ctr("images", "ls", f"name=={IMAGE}").splitlines()[1].split()[2]
+    manifest = json.loads(_ctr("content", "get", manifest_digest))
+    layers = {layer["digest"] for layer in manifest["layers"]}
+    held = set(_ctr("content", "ls", "-q").split())
+    assert manifest_digest in held and manifest["config"]["digest"] in held
+    assert not layers & held, f"{len(layers & held)} of {len(layers)} layer blobs still held"
+    snapshots = _ctr("snapshots", "--snapshotter", "overlayfs", "ls")
+    assert len(snapshots.splitlines()) - 1 >= len(layers), snapshots
 
 
 def test_publish_and_submit_run_the_dag_in_the_real_image(first_run, argo, store,
