@@ -8,12 +8,19 @@
   (part size, concurrency) settings;
 - floor: ``shutil.copytree`` of our files on local disk.
 
+It also records the S3 server's own CPU time for our upload and for our download, per GiB:
+where the server shares the node's cores with the steps (the test cluster), what it spends on a
+write is time the steps cannot use. SeaweedFS 4.48 hashes written bytes with MD5 in several
+places (the S3 ETag, each chunk's, the volume server's parse of each upload: ``go tool pprof``
+of its debug endpoint, 2026-11-30), so a write costs it several times a read.
+
 Every plain boto3 client here gets ``steps.storage.harden`` (it removes ``Expect:
 100-continue`` from empty PUTs, which otherwise stalls SeaweedFS connections); the
 baseline needs it too, so the comparison is not skewed by it.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -57,14 +64,23 @@ def plain_roundtrip(s3, root: Path, prefix: str, dest: Path,
     return up, time.perf_counter() - start
 
 
-def ours_roundtrip(root: Path, prefix: str, dest: Path) -> tuple[float, float]:
+def cpu_s(pid: int) -> float:
+    """User plus system CPU seconds of process ``pid`` so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def ours_roundtrip(root: Path, prefix: str, dest: Path,
+                   server_pid: int) -> tuple[float, float, dict]:
+    """(upload s, download s, the server's CPU s for each) of our upload_dir/download_dir."""
     uri = f"s3://{BUCKET}/{prefix}"
-    start = time.perf_counter()
+    cpu0, start = cpu_s(server_pid), time.perf_counter()
     storage.upload_dir(root, uri, progress=False)
-    up = time.perf_counter() - start
+    up, cpu1 = time.perf_counter() - start, cpu_s(server_pid)
     start = time.perf_counter()
     storage.download_dir(uri, dest, artifact="dataset", progress=False)
-    return up, time.perf_counter() - start
+    down, cpu2 = time.perf_counter() - start, cpu_s(server_pid)
+    return up, down, {"server_cpu_s_upload": cpu1 - cpu0, "server_cpu_s_download": cpu2 - cpu1}
 
 
 def _entry(up: float, down: float, nbytes: int) -> dict:
@@ -88,7 +104,11 @@ def run(settings: Settings) -> dict:
         results["anchor_layout_boto3_defaults"] = _entry(
             *plain_roundtrip(s3, anchor_dir, "anchor-defaults", fresh("a"), None),
             _size(anchor_dir))
-        results["ours"] = _entry(*ours_roundtrip(ours_dir, "ours", fresh("o")), _size(ours_dir))
+        up, down, server_cpu = ours_roundtrip(ours_dir, "ours", fresh("o"), server.pid)
+        gib = _size(ours_dir) / (1 << 30)
+        results["ours"] = {**_entry(up, down, _size(ours_dir)), **server_cpu,
+                           "server_cpu_s_per_gib_written": server_cpu["server_cpu_s_upload"] / gib,
+                           "server_cpu_s_per_gib_read": server_cpu["server_cpu_s_download"] / gib}
         grid = GRID[:1] if settings.smoke else GRID
         for part, threads in grid:
             config = TransferConfig(multipart_threshold=part * MiB, multipart_chunksize=part * MiB,
