@@ -550,7 +550,7 @@ def pool_template(cfg: Config) -> Container:
     args = (["pool", "--evaluation", *[artifact_path(a.name) for a in evaluations],
              "--pooled", artifact_path("pooled", output=True)])
     return step(cfg, "pool", "cpu", command=["python", "-m", "steps.evaluate"], args=args,
-                resources="evaluate", env=extra_env(cfg),
+                env=extra_env(cfg),
                 inputs=[Parameter(name="image-tag"), *evaluations],
                 outputs=[directory("pooled", output=True),
                          *result_parameters("pooled", params.IO["evaluate"].outputs)])
