@@ -138,7 +138,12 @@ def read_manifest(root: Path, artifact: str) -> dict[str, Any]:
     where = f"artifact '{artifact}' at {root}: {MANIFEST}"
     if not path.is_file():
         raise StepError(f"{where} is missing (the producing step did not finish)")
-    manifest = schemas.read_json(path, where)
+    return check_manifest(schemas.read_json(path, where), artifact, where)
+
+
+def check_manifest(manifest: Any, artifact: str, where: str) -> dict[str, Any]:
+    """A parsed manifest checked against ``schemas.Manifest``, naming ``artifact`` in our
+    schema version."""
     checked = schemas.validate(schemas.Manifest, manifest, where)
     if checked.artifact != artifact:
         raise StepError(f"{where} names artifact {checked.artifact!r}")

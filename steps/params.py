@@ -273,6 +273,7 @@ class StepIO:
     outputs: tuple[str, ...] = ()          # small results, <writes>/OUTPUTS_DIR/<name>
     files: dict[str, str] = field(default_factory=dict)   # artifact name -> a part of writes
     release: str | None = None             # also stored at models/<model>/<workflow><release>
+    by_key: tuple[str, ...] = ()           # inputs it can also read from S3 by key (bykey)
 
 
 # What each artifact holds (the writer's flag help); the readers say what they take from it.
@@ -299,7 +300,7 @@ IO = {
     "preprocess": StepIO(
         reads={"raw": "MANIFEST.json and Task01_BrainTumour/ or one other task directory "
                       "with a dataset.json"},
-        writes="dataset"),
+        writes="dataset", by_key=("raw",)),
     "train": StepIO(
         reads={"dataset": "the preprocessed cases and their folds"}, writes="model",
         outputs=("mean_dice", "best_epoch", "img_per_s"), files={"report": REPORT_FOLDER}),
@@ -336,11 +337,24 @@ def add_artifacts(parser: argparse.ArgumentParser, step: str) -> None:
     """``--<name> DIR`` for each input and the output artifact, with what it holds."""
     io = IO[step]
     for name, what in io.reads.items():
+        if name in io.by_key:
+            parser.add_argument(f"--{name}", required=True, type=artifact_location,
+                                metavar="DIR|s3://BUCKET/PREFIX",
+                                help=f"input `{name}` artifact, a directory or the S3 prefix it "
+                                     f"was saved at (then each file is fetched when needed "
+                                     f"and checked against its manifest): {what}")
+            continue
         parser.add_argument(f"--{name}", required=True, type=Path, metavar="DIR",
                             help=f"input `{name}` artifact directory: {what}")
     parser.add_argument(f"--{io.writes}", required=True, type=Path, metavar="DIR",
                         help=f"output `{io.writes}` artifact directory (absent or empty): "
                              f"{ARTIFACTS[io.writes]}")
+
+
+def artifact_location(text: str) -> Path | str:
+    """An input artifact flag's value: ``s3://BUCKET/PREFIX`` kept as text (read by key,
+    ``steps.bykey``), anything else a directory."""
+    return text.rstrip("/") if text.startswith("s3://") else Path(text)
 
 
 def add_arguments(parser: argparse.ArgumentParser | Any, params: Iterable[Param]) -> None:

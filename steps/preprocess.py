@@ -1,6 +1,6 @@
 """Preprocess step: the ``raw`` MSD task into the ``dataset`` artifact (see ``steps.dataset``).
 
-``python -m steps.preprocess --raw DIR --dataset DIR [--workers N] [--image-dtype float16]
+``python -m steps.preprocess --raw DIR|s3://BUCKET/PREFIX --dataset DIR [--workers N] [--image-dtype float16]
 [--mode default|anchor] [--patch-size 192x160]``
 
 Per case, the anchors' task-01 dim-2 algorithm (NVIDIA nnUNet / Habana U-Net):
@@ -41,6 +41,13 @@ up to 3.4. Every run records its own figure in ``dataset.json``
 ``cases[i].dtype_max_abs_error``; ``--image-dtype float32`` keeps exact values at twice the
 bytes.
 
+``--raw`` is the artifact's directory, or the S3 prefix it was saved at (``s3://BUCKET/
+PREFIX``, ``steps.bykey``): then only its manifest and ``dataset.json`` are read up front,
+and each worker fetches its case's two files into a scratch folder inside ``--dataset``
+(checked against the manifest, removed once read; the folder goes before the dataset is
+published), so the step never holds the raw artifact, only the cases in flight, and reads
+no test image at all.
+
 Cases run in ``--workers`` processes (spawn); each holds about two volumes at a time and
 returns only small metadata, so memory does not grow with the dataset. Every case is
 computed by the same code in a fixed order, so the bytes do not depend on the worker count.
@@ -52,17 +59,20 @@ import ctypes
 import json
 import math
 import multiprocessing
+import shutil
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Iterator, Sequence
+from pathlib import Path, PurePosixPath
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 from nibabel.orientations import apply_orientation, io_orientation, ornt2axcodes
 from tqdm import tqdm
 
-from steps import limits, nifti, params, schemas
+from steps import bykey, limits, nifti, params, schemas
 from steps.artifacts import check_disjoint, inside, publish, require
 from steps.dataset import (DATASET_JSON, FORMAT_VERSION, check_metadata, kfold_split,
                            torch_view)
@@ -89,27 +99,37 @@ class Job:
     patch: tuple[int, int]
     image_dtype: str
     out_dir: str
+    remote: bykey.Remote | None = None   # read by key: image and label fetched from it first
+    scratch: str = ""                    # ... to their paths under this folder
 
 
 # ----------------------------------------------------------------------------- the raw task
 
-def find_task(raw: Path) -> Path:
-    """``raw/Task01_BrainTumour``, else the only subdirectory of ``raw`` with a dataset.json."""
-    preferred = raw / "Task01_BrainTumour"
-    if (preferred / "dataset.json").is_file():
-        return preferred
-    found = sorted(p.parent for p in raw.glob("*/dataset.json"))
-    if len(found) != 1:
-        what = "no" if not found else f"{len(found)}"
+FETCHED = ".raw-by-key"   # read by key: the scratch folder inside --dataset
+
+
+def choose_task(tasks: list[str], raw: Path | str) -> str:
+    """Of the task directories with a dataset.json, ``Task01_BrainTumour``, else the only one."""
+    if "Task01_BrainTumour" in tasks:
+        return "Task01_BrainTumour"
+    if len(tasks) != 1:
+        what = "no" if not tasks else f"{len(tasks)}"
         raise StepError(f"artifact 'raw' at {raw}: {what} task directories with a dataset.json "
                         "(expected exactly one, e.g. Task01_BrainTumour/dataset.json)")
-    return found[0]
+    return tasks[0]
 
 
-def _listed_file(task: Path, rel: Any, spec_path: Path) -> Path:
+def find_task(raw: Path) -> Path:
+    """``raw/Task01_BrainTumour``, else the only subdirectory of ``raw`` with a dataset.json."""
+    return raw / choose_task(sorted(p.parent.name for p in raw.glob("*/dataset.json")
+                                    if p.is_file()), raw)
+
+
+def _listed_file(task: Path, rel: Any, spec_path: Path,
+                 present: Callable[[Path], bool]) -> Path:
     """The file a 'training' entry names: inside the task directory, and present."""
     path = inside(task, rel, str(spec_path))
-    if not path.is_file():
+    if not present(path):
         raise StepError(f"{spec_path}: {rel} is listed but missing")
     return path
 
@@ -122,15 +142,17 @@ def case_name(path: Path) -> str:
     return name
 
 
-def read_task(task: Path) -> dict[str, Any]:
-    """Channels, labels and sorted (name, image, label) pairs of the task's ``dataset.json``."""
+def read_task(task: Path, present: Callable[[Path], bool] = Path.is_file) -> dict[str, Any]:
+    """Channels, labels and sorted (name, image, label) pairs of the task's ``dataset.json``;
+    ``present`` says whether a listed file is there (read by key: whether the manifest lists
+    it)."""
     spec_path = task / "dataset.json"
     spec = schemas.load(spec_path, schemas.RawTask, str(spec_path))
     limits.check("max_cases", len(spec.training), f"{spec_path}: 'training'")
     pairs = {}
     for entry in spec.training:
-        image = _listed_file(task, entry.image, spec_path)
-        label = _listed_file(task, entry.label, spec_path)
+        image = _listed_file(task, entry.image, spec_path, present)
+        label = _listed_file(task, entry.label, spec_path, present)
         name = case_name(image)
         if name in pairs:
             raise StepError(f"{spec_path}: case {name} is listed twice")
@@ -140,6 +162,47 @@ def read_task(task: Path) -> dict[str, Any]:
             "channels": [spec.modality[str(i)] for i in range(len(spec.modality))],
             "labels": dict(by_index),
             "pairs": sorted((n, i, l) for n, (i, l) in pairs.items())}
+
+
+@contextmanager
+def raw_task(raw: Path | str, scratch: Path) -> Iterator[tuple[dict[str, Any], Any]]:
+    """(``read_task`` of the raw artifact, the ``bykey.Remote`` its cases come from or None).
+
+    A directory is checked whole (``require``) and read in place. An S3 prefix is read by
+    key: its manifest, then the task's dataset.json fetched into ``scratch``, which holds the
+    cases in flight later and is removed on the way out.
+    """
+    if not bykey.is_remote(raw):
+        require(raw, "raw")
+        yield read_task(find_task(raw)), None
+        return
+    remote = bykey.open_remote(raw, "raw")
+    listed = [PurePosixPath(rel) for rel in remote.files]
+    name = choose_task(sorted(p.parts[0] for p in listed
+                              if len(p.parts) == 2 and p.name == "dataset.json"), raw)
+    try:
+        remote.fetch(f"{name}/dataset.json", scratch / name / "dataset.json")
+        yield read_task(scratch / name, lambda path: path.relative_to(scratch).as_posix()
+                        in remote.files), remote
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextmanager
+def _case_files(job: Job) -> Iterator[None]:
+    """Read by key: the case's image and label fetched to their paths under the scratch
+    folder, and removed once read (``nifti.load`` reads a file whole)."""
+    if job.remote is None:
+        yield
+        return
+    paths = [Path(job.image), Path(job.label)]
+    try:
+        for path in paths:
+            job.remote.fetch(path.relative_to(job.scratch).as_posix(), path)
+        yield
+    finally:
+        for path in paths:
+            path.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- one case
@@ -314,8 +377,9 @@ def process_case(job: Job) -> dict[str, Any]:
 
 def _write_case(job: Job) -> dict[str, Any]:
     try:
-        image_vol = nifti.load(job.image)
-        label_vol = nifti.load(job.label)
+        with _case_files(job):
+            image_vol = nifti.load(job.image)
+            label_vol = nifti.load(job.label)
     except StepError as exc:
         raise StepError(f"case {job.name}: {exc}") from None
     image = image_channels_last(image_vol, job.n_channels, f"case {job.name}: image",
@@ -404,9 +468,18 @@ def _imap(jobs: list[Job], workers: int, threads: int) -> Iterator[dict[str, Any
         yield from map(process_case, jobs)
         return
     context = multiprocessing.get_context("spawn")
-    with context.Pool(processes=workers, initializer=limits.set_threads,
+    with context.Pool(processes=workers, initializer=_start_worker,
                       initargs=(threads,)) as pool:
         yield from pool.imap(process_case, jobs, chunksize=1)
+
+
+def _start_worker(threads: int) -> None:
+    """A worker's threads; and tqdm's lock a thread lock: the first bar of a process (a
+    fetch's, hidden) would otherwise make a multiprocessing lock, which a worker that the
+    pool terminates on a failed case leaks, and the resource tracker then warns about after
+    the step's ``error:`` line."""
+    limits.set_threads(threads)
+    tqdm.set_lock(threading.RLock())
 
 
 def dataset_json(task: dict[str, Any], cases: list[dict[str, Any]], args: argparse.Namespace,
@@ -459,23 +532,32 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _for_case(remote, scratch: Path, *paths: Path):
+    """The part of ``remote`` one case's worker fetches (its two files), or None."""
+    if remote is None:
+        return None
+    rels = [path.relative_to(scratch).as_posix() for path in paths]
+    return bykey.Remote(remote.uri, remote.artifact, {rel: remote.files[rel] for rel in rels})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     limits.set_threads()
     patch = parse_patch(args.patch_size)
-    check_disjoint({"--dataset": args.dataset}, {"--raw": args.raw})
-    require(args.raw, "raw")
-    task_dir = find_task(args.raw)
-    task = read_task(task_dir)
+    if not bykey.is_remote(args.raw):
+        check_disjoint({"--dataset": args.dataset}, {"--raw": args.raw})
     recorded = {p.name: getattr(args, p.name) for p in params.PREPROCESS if p.shapes_output}
     start = time.perf_counter()
-    with publish(args.dataset, "dataset", "preprocess", recorded) as staging:
+    with publish(args.dataset, "dataset", "preprocess", recorded) as staging, \
+            raw_task(args.raw, staging.parent / FETCHED) as (task, remote):
         cases_dir = staging / CASES_DIR
         cases_dir.mkdir()
         jobs = [Job(name=name, image=str(image), label=str(label),
                     n_channels=len(task["channels"]), labels=tuple(task["labels"]),
                     mode=args.mode, patch=patch, image_dtype=args.image_dtype,
-                    out_dir=str(cases_dir)) for name, image, label in task["pairs"]]
+                    out_dir=str(cases_dir), scratch=str(staging.parent / FETCHED),
+                    remote=_for_case(remote, staging.parent / FETCHED, image, label))
+                for name, image, label in task["pairs"]]
         workers, threads = plan_workers(args.workers, len(jobs))
         results = tqdm(_imap(jobs, workers, threads), total=len(jobs), desc="preprocess",
                        unit="case", file=sys.stderr)

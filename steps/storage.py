@@ -602,7 +602,7 @@ def _read_state(path: Path) -> dict:
 def download_file(uri: str, dest: Path | str, *, anonymous: bool | None = None,
                   resume: bool = True, progress: bool = True, client=None,
                   on_bytes: Progress | None = None, chunk_size: int = _STREAM_CHUNK,
-                  limit: str | None = None) -> int:
+                  limit: str | None = None, size: int | None = None) -> int:
     """Stream one object to ``dest``; return the bytes fetched by this call.
 
     Data goes to ``dest.part`` (its ETag and size noted in ``dest.part.json``) and is renamed
@@ -610,7 +610,8 @@ def download_file(uri: str, dest: Path | str, *, anonymous: bool | None = None,
     object's ETag and size are unchanged, and starts over otherwise. A dropped stream is
     resumed from where it stopped, up to ``UNET_S3_MAX_ATTEMPTS`` times. ``anonymous=None``
     reads the known public MSD buckets unsigned from AWS and everything else signed.
-    ``limit`` names a :mod:`steps.limits` size limit the object must keep to.
+    ``limit`` names a :mod:`steps.limits` size limit the object must keep to; ``size``, when
+    given, is the only size the object may have (checked before anything is fetched).
     """
     bucket, key = parse_uri(uri)
     dest = Path(dest)
@@ -621,7 +622,10 @@ def download_file(uri: str, dest: Path | str, *, anonymous: bool | None = None,
     if head is None:
         raise StorageError(f"downloading {uri}: no such object "
                            f"(endpoint {s3.meta.endpoint_url}, bucket '{bucket}')")
-    size, etag = int(head["ContentLength"]), head.get("ETag", "")
+    expected, size, etag = size, int(head["ContentLength"]), head.get("ETag", "")
+    if expected is not None and size != expected:
+        raise StorageError(f"downloading {uri}: the object has {size} bytes, {expected} "
+                           "expected")
     if limit:
         limits.check(limit, size, f"downloading {uri}")
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from steps import nifti
+from steps import nifti, storage
 from steps.artifacts import MANIFEST, write_manifest
 from steps.dataset import open_cases, read_metadata
 from steps.errors import run_main
@@ -406,6 +406,68 @@ def test_missing_raw_manifest_is_refused(raw, tmp_path):
     result = run_cli("--raw", str(bare), "--dataset", str(tmp_path / "ds"))
     assert_one_line_error(result, "'raw'", MANIFEST)
     assert not (tmp_path / "ds").exists() or list((tmp_path / "ds").iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- raw read by key
+
+@pytest.fixture
+def raw_in_s3(s3_env, tmp_path):
+    """A raw artifact of 4 training and 2 test cases, on disk and uploaded as Argo saves it:
+    (its directory, its S3 prefix)."""
+    root = tmp_path / "raw"
+    write_msd_task(root, cases=4, shape=SHAPE, seed=1, test_cases=2)
+    write_manifest(root, "raw", "download", {})
+    uri = f"s3://{s3_env.bucket}/{tmp_path.name}/download-pod/raw"
+    storage.upload_dir(root, uri, progress=False)
+    return root, uri
+
+
+@pytest.mark.slow
+def test_raw_read_by_key_gives_the_same_dataset_and_reads_no_test_image(raw_in_s3, tmp_path):
+    """``--raw s3://…``: the dataset is byte for byte the one made from the directory; the test
+    images are never fetched (deleted from S3 first, still listed in the manifest); no
+    scratch file is left in the output."""
+    root, uri = raw_in_s3
+    patch = f"{PATCH[0]}x{PATCH[1]}"
+    assert main(["--raw", str(root), "--dataset", str(tmp_path / "from-dir"),
+                 "--patch-size", patch]) == 0
+    bucket, key = storage.parse_uri(uri)
+    tests = storage.list_keys(f"{uri}/Task01_BrainTumour/imagesTs")
+    assert len(tests) == 2
+    for test_key in tests:
+        storage.client_for(uri).delete_object(Bucket=bucket, Key=test_key)
+    result = run_cli("--raw", uri, "--dataset", str(tmp_path / "by-key"), "--workers", "2",
+                     "--patch-size", patch)
+    assert result.returncode == 0, result.stderr
+    assert "4 cases" in result.stderr.splitlines()[-1]
+    assert all_bytes(tmp_path / "by-key") == all_bytes(tmp_path / "from-dir")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["changed", "missing", "no manifest"])
+def test_raw_read_by_key_refuses_what_its_manifest_does_not_vouch_for(raw_in_s3, tmp_path,
+                                                                      damage):
+    """An object changed after its manifest (same size), one deleted, or a prefix without a
+    manifest: one line naming the object, exit 2, nothing published or left behind."""
+    _, uri = raw_in_s3
+    bucket, key = storage.parse_uri(uri)
+    s3 = storage.client_for(uri)
+    target = {"changed": "Task01_BrainTumour/imagesTr/BRATS_003.nii.gz",
+              "missing": "Task01_BrainTumour/labelsTr/BRATS_002.nii.gz",
+              "no manifest": MANIFEST}[damage]
+    if damage == "changed":
+        body = bytearray(storage.get_bytes(f"{uri}/{target}"))
+        body[-1] ^= 0xFF
+        s3.put_object(Bucket=bucket, Key=f"{key}/{target}", Body=bytes(body))
+    else:
+        s3.delete_object(Bucket=bucket, Key=f"{key}/{target}")
+    out = tmp_path / "ds"
+    result = run_cli("--raw", uri, "--dataset", str(out), "--workers", "2",
+                     "--patch-size", f"{PATCH[0]}x{PATCH[1]}")
+    line = assert_one_line_error(result, target if damage != "no manifest" else "'raw'")
+    assert {"changed": "sha256", "missing": "no such object",
+            "no manifest": "is missing"}[damage] in line
+    assert not out.exists()
 
 
 @pytest.mark.slow
