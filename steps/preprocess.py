@@ -1,7 +1,7 @@
 """Preprocess step: the ``raw`` MSD task into the ``dataset`` artifact (see ``steps.dataset``).
 
-``python -m steps.preprocess --raw DIR|s3://BUCKET/PREFIX --dataset DIR [--workers N] [--image-dtype float16]
-[--mode default|anchor] [--patch-size 192x160]``
+``python -m steps.preprocess --raw DIR|s3://BUCKET/PREFIX --dataset DIR [--workers N]
+[--image-dtype float16] [--mode default|anchor] [--patch-size 192x160]``
 
 Per case, the anchors' task-01 dim-2 algorithm (NVIDIA nnUNet / Habana U-Net):
 
