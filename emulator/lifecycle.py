@@ -387,7 +387,12 @@ class Lifecycle:
                 text = path.read_text(errors="replace")
                 node.parameters[name] = text[:-1] if text.endswith("\n") else text
             elif "default" in spec["valueFrom"]:
-                node.parameters[name] = str(spec["valueFrom"]["default"])
+                # rendered with the pod's own scope, pod.name too, as the controller renders
+                # the whole template before the pod exists (v4.0.5 operator.go executeTemplate)
+                node.parameters[name] = substitute(
+                    str(spec["valueFrom"]["default"]), plan.scope,
+                    f"spec.templates[{task.template_name}].outputs.parameters[{name}]"
+                    ".valueFrom.default")
             else:
                 raise LocalRunError(f"output parameter {name!r}: {plan.paths.params[name]} "
                                     "was not written by the step")

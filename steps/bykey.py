@@ -11,6 +11,7 @@ is working on, not the artifact.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,21 @@ from steps.artifacts import MANIFEST, check_manifest, clean_relative, sha256_fil
 from steps.errors import StepError
 
 SCHEME = "s3://"
+
+
+# "<n> bytes of <artifact> fetched by key": how a step that read an input by key says what it
+# read (in its last line); the scale benchmarks count it as the step's S3 reads.
+FETCHED = re.compile(r"(\d+) bytes of ([\w-]+) fetched by key")
+
+
+def fetched_note(remote: "Remote", rels) -> str:
+    """The words of :data:`FETCHED` for the files ``rels`` fetched from ``remote``."""
+    return f"{remote.bytes_of(rels)} bytes of {remote.artifact} fetched by key"
+
+
+def fetched_bytes(log: str) -> dict[str, int]:
+    """Artifact -> the bytes a step's log says it fetched by key."""
+    return {m.group(2): int(m.group(1)) for m in FETCHED.finditer(log)}
 
 
 def is_remote(location: Path | str) -> bool:
@@ -34,6 +50,12 @@ class Remote:
     uri: str
     artifact: str
     files: dict[str, tuple[int, str]]
+    manifest_bytes: int = 0
+
+    def bytes_of(self, rels) -> int:
+        """What fetching the listed files ``rels`` (and the manifest) reads from S3: each
+        fetch is held to its listed size, so this is exact once they are fetched."""
+        return self.manifest_bytes + sum(self.files[rel][0] for rel in rels)
 
     def fetch(self, rel: str, dest: Path) -> Path:
         """Fetch the listed file ``rel`` to ``dest``; a file that is not what the manifest
@@ -66,4 +88,4 @@ def open_remote(uri: str, artifact: str) -> Remote:
         if pure is None or pure.as_posix() != entry["path"]:
             raise StepError(f"{where}: {entry['path']!r} is not a clean relative path")
         files[entry["path"]] = (entry["size"], entry["sha256"])
-    return Remote(uri=uri, artifact=artifact, files=files)
+    return Remote(uri=uri, artifact=artifact, files=files, manifest_bytes=len(raw))

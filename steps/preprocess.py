@@ -566,11 +566,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_metadata(meta, f"{DATASET_JSON} for {args.dataset}")   # what train reads
         (staging / DATASET_JSON).write_text(json.dumps(meta, indent=1) + "\n")
     total = sum(p.stat().st_size for p in args.dataset.rglob("*") if p.is_file())
+    fetched = "" if remote is None else ", " + bykey.fetched_note(remote, [
+        f"{task['name']}/dataset.json", *(rel for job in jobs for rel in job.remote.files)])
     print(f"preprocess: {len(cases)} cases, {total / 1e6:.1f} MB in {args.dataset}, "
           f"{time.perf_counter() - start:.1f} s with {workers} worker(s) of {threads} "
           f"thread(s) (--workers {args.workers}), gzip via "
           f"{nifti.GZIP_BACKEND}, max {args.image_dtype} error "
-          f"{meta['normalisation']['image_dtype_error']['max_abs']:.2g}", file=sys.stderr)
+          f"{meta['normalisation']['image_dtype_error']['max_abs']:.2g}{fetched}",
+          file=sys.stderr)
     return 0
 
 

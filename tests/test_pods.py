@@ -108,24 +108,31 @@ def _pipeline(*tasks: str, strip: tuple[str, ...] = ()) -> dict:
 def run(s3, tmp_path):
     def go(doc: dict):
         return run_workflow(doc, executor="podman", run_dir=tmp_path / "state",
-                            env=s3.env(), bucket=s3.bucket, echo=None, log=lambda _: None,
+                            env=s3.env(), bucket=CFG.storage.bucket, echo=None, log=lambda _: None,
                             backoff_scale=0.0)
     return go
 
 
 def test_a_wave1_pod_cannot_write_its_output_in_the_real_image(image, run):
     """The issue's outside check, reproduced by the executor: no volume, uid 1000, /data is
-    the image's (download) or runc's for the input mount (preprocess): Permission denied."""
+    the image's (download; preprocess too, which reads its input by key and mounts none) or
+    runc's for the input mount (train): Permission denied."""
     result = run(_pipeline("download", strip=("download",)))
     node = result.node("download")
     assert node.phase == "Failed" and "exit code 2" in node.message
     assert "error: output directory /data/raw for 'raw': cannot create it (Permission " \
         "denied: /data)" in Path(node.log_path).read_text()
-    result = run(_pipeline("download", "preprocess", strip=("preprocess",)))
+    result = run(_pipeline("download", "preprocess", "train", strip=("preprocess", "train")))
     assert result.node("download").phase == "Succeeded"
     node = result.node("preprocess")
     assert node.phase == "Failed" and "exit code 2" in node.message
-    assert "cannot create it (Permission denied: /data/dataset)" in \
+    assert "error: output directory /data/dataset for 'dataset': cannot create it (Permission " \
+        "denied: /data)" in Path(node.log_path).read_text()
+    result = run(_pipeline("download", "preprocess", "train", strip=("train",)))
+    assert result.node("preprocess").phase == "Succeeded"
+    node = result.node("train")
+    assert node.phase == "Failed" and "exit code 2" in node.message
+    assert "cannot create it (Permission denied: /data/model)" in \
         Path(node.log_path).read_text()
 
 

@@ -18,7 +18,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from steps import nifti, storage
+from steps import bykey, nifti, storage
 from steps.artifacts import MANIFEST, write_manifest
 from steps.dataset import open_cases, read_metadata
 from steps.errors import run_main
@@ -439,8 +439,13 @@ def test_raw_read_by_key_gives_the_same_dataset_and_reads_no_test_image(raw_in_s
     result = run_cli("--raw", uri, "--dataset", str(tmp_path / "by-key"), "--workers", "2",
                      "--patch-size", patch)
     assert result.returncode == 0, result.stderr
-    assert "4 cases" in result.stderr.splitlines()[-1]
+    last = result.stderr.splitlines()[-1]
+    assert "4 cases" in last
     assert all_bytes(tmp_path / "by-key") == all_bytes(tmp_path / "from-dir")
+    task = root / "Task01_BrainTumour"
+    read = [root / MANIFEST, task / "dataset.json", *task.glob("imagesTr/*"),
+            *task.glob("labelsTr/*")]
+    assert bykey.fetched_bytes(last) == {"raw": sum(p.stat().st_size for p in read)}
 
 
 @pytest.mark.slow

@@ -157,6 +157,32 @@ def test_dag_wiring_and_artifacts():
                                                     "key": "default-v1"}
 
 
+def test_preprocess_reads_raw_by_key_from_the_uri_download_hands_on():
+    """No ``raw`` input artifact (Argo would copy it whole into the pod): download saves it at
+    a stated key and hands that key's URI on as ``raw-uri``, which preprocess takes as
+    ``--raw`` with the S3 variables; download's memo entries are apart from the older ones,
+    which lack the parameter."""
+    doc = _doc()
+    t = _templates(doc)
+    key = "{{workflow.name}}/{{pod.name}}/raw"
+    raw = {a["name"]: a for a in t["download"]["outputs"]["artifacts"]}["raw"]
+    assert raw["s3"] == {"key": key} and raw["path"] == "/data/raw"
+    uri = {p["name"]: p for p in t["download"]["outputs"]["parameters"]}["raw-uri"]
+    assert uri["valueFrom"]["default"] == f"s3://unet-artifacts/{key}"
+    assert t["download"]["memoize"]["key"].startswith("download-uri-")
+    preprocess = t["preprocess"]
+    assert "artifacts" not in preprocess["inputs"]
+    args = preprocess["container"]["args"]
+    assert args[args.index("--raw") + 1] == "{{inputs.parameters.raw-uri}}"
+    env = {e["name"]: e for e in preprocess["container"]["env"]}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == \
+        "unet-s3-credentials"
+    task = {x["name"]: x for x in t["pipeline"]["dag"]["tasks"]}["preprocess"]
+    given = {p["name"]: p["value"] for p in task["arguments"]["parameters"]}
+    assert given["raw-uri"] == "{{tasks.download.outputs.parameters.raw-uri}}"
+    assert "artifacts" not in task["arguments"]
+
+
 def test_folds_fan_out_after_preprocess_and_join_in_the_ensemble_and_the_pool():
     doc = _doc(*FOLDS)
     t = _templates(doc)

@@ -149,11 +149,30 @@ def memoize(cfg: Config, stage: str, names: list[str]) -> dict:
     executeTemplate: the cache is checked "if the node is about to be created, or was
     created in the past but is only now allowed to run due to acquiring a lock"). Without it
     Argo has no lock around a miss: every run saves its own entry (cache/configmap_cache.go
-    Save, the last writer wins)."""
-    key = memo_key(stage, names)
+    Save, the last writer wins). A step whose output is read by key keeps entries of its own
+    (``<stage>-uri-…``): an entry saved before it handed that output on as a URI lacks the
+    parameter, and its readers would get none."""
+    key = memo_key(f"{stage}-uri" if params.IO[stage].writes in BY_KEY else stage, names)
     return {"memoize": m.Memoize(key=key, max_age=cfg.memoize.max_age, cache=m.Cache(
                 config_map=m.LocalObjectReference(name=cfg.memoize.config_map))),
             "synchronization": m.Synchronization(mutexes=[m.Mutex(name=key)])}
+
+
+# Artifacts that a step reads by key (``params.StepIO.by_key``): the reader takes the S3 prefix
+# as a parameter and fetches what it needs itself, where Argo's executor would copy the whole
+# artifact into its pod (v4.0.5 workflow/artifacts/s3/s3.go GetDirectory).
+BY_KEY = frozenset(a for io in params.IO.values() for a in io.by_key)
+
+
+def artifact_key(artifact: str) -> str:
+    """The key an artifact read by key is saved at, stated on its output rather than left to
+    the repository's keyFormat: the same ``<workflow>/<pod>/<artifact>`` Argo would give it."""
+    return "{{workflow.name}}/{{pod.name}}/" + artifact
+
+
+def uri_parameter(artifact: str) -> str:
+    """The parameter that carries an artifact read by key from its writer to its readers."""
+    return f"{artifact}-uri"
 
 
 def directory(name: str, output: bool = False) -> Artifact:
@@ -170,7 +189,9 @@ def artifact_path(name: str, output: bool = False) -> str:
 def artifact_args(step_name: str, path=artifact_path) -> list[str]:
     """``--<artifact> DIR`` for the step's inputs, then its output (``params.IO``)."""
     io = params.IO[step_name]
-    return ([word for name in io.reads for word in (f"--{name}", path(name))]
+    return ([word for name in io.reads for word in (
+                f"--{name}", "{{inputs.parameters.%s}}" % uri_parameter(name)
+                if name in io.by_key else path(name))]
             + [f"--{io.writes}", path(io.writes, output=True)])
 
 
@@ -180,7 +201,9 @@ def step_parameters(step_name: str) -> list[Parameter]:
 
 
 def step_inputs(step_name: str) -> list:
-    return step_parameters(step_name) + [directory(a) for a in params.IO[step_name].reads]
+    io = params.IO[step_name]
+    return step_parameters(step_name) + [Parameter(name=uri_parameter(a)) if a in io.by_key
+                                         else directory(a) for a in io.reads]
 
 
 def step_outputs(cfg: Config, step_name: str) -> list:
@@ -190,12 +213,29 @@ def step_outputs(cfg: Config, step_name: str) -> list:
     output: the ensemble and the pool do."""
     io = params.IO[step_name]
     per_fold = cfg.fans_out and step_name in FOLD_STEPS
-    out = [directory(io.writes, output=True)] + [
+    out = (by_key_output(cfg, io.writes) if io.writes in BY_KEY
+           else [directory(io.writes, output=True)]) + [
         Artifact(name=name, path=f"{artifact_path(io.writes, output=True)}/{file}",
                  archive=NoneArchiveStrategy()) for name, file in io.files.items()]
     if io.release is not None and not per_fold:
         out.append(release(cfg, f"{DATA}/{io.writes}", io.release))
     return out + result_parameters(io.writes, io.outputs, not per_fold)
+
+
+def by_key_output(cfg: Config, artifact: str) -> list:
+    """An output that a later step reads by key: saved at :func:`artifact_key`, and that
+    key's URI as the output parameter :func:`uri_parameter`. The step writes no such file,
+    so the executor takes the parameter's default (v4.0.5 workflow/executor/executor.go
+    SaveParameters), which the controller has rendered with this pod's name before the pod
+    exists, as it renders the whole template (workflow/controller/operator.go
+    executeTemplate, localParams). A memoized writer's cache entry keeps both, so a cache hit
+    hands its readers the key of the run that wrote it."""
+    key = artifact_key(artifact)
+    return [S3Artifact(name=artifact, path=f"{DATA}/{artifact}", archive=NoneArchiveStrategy(),
+                       key=key),
+            Parameter(name=uri_parameter(artifact), value_from=m.ValueFrom(
+                path=f"{DATA}/{artifact}/{params.OUTPUTS_DIR}/{uri_parameter(artifact)}",
+                default=f"s3://{cfg.storage.bucket}/{key}"))]
 
 
 def release(cfg: Config, path: str, suffix: str) -> S3Artifact:
@@ -298,9 +338,10 @@ def step(cfg: Config, name: str, kind: str, command: list[str] | None = None,
 
 def data_step(cfg: Config, name: str, **kw) -> Container:
     """A CPU step whose command line, inputs and outputs all derive from ``params``."""
+    reads_by_key = s3_env(cfg) if params.IO[name].by_key else []
     return step(cfg, name, "cpu", args=artifact_args(name) + param_args(cfg, name),
-                inputs=kw.pop("inputs", []) + step_inputs(name),
-                outputs=step_outputs(cfg, name), env=kw.pop("env", extra_env(cfg)), **kw)
+                inputs=kw.pop("inputs", []) + step_inputs(name), outputs=step_outputs(cfg, name),
+                env=kw.pop("env", reads_by_key + extra_env(cfg)), **kw)
 
 
 def download_template(cfg: Config) -> Container:

@@ -55,7 +55,10 @@ class _Wiring:
         self.before: dict[str, set[str]] = {}    # step -> the steps it follows
 
     def inputs(self, step: str) -> list:
-        return [self.last[self.writer[a]].get_artifact(a) for a in params.IO[step].reads]
+        """Each input artifact from its writer's task; one read by key as its URI parameter."""
+        io = params.IO[step]
+        return [self.last[self.writer[a]].get_parameter(t.uri_parameter(a)) if a in io.by_key
+                else self.last[self.writer[a]].get_artifact(a) for a in io.reads]
 
     @classmethod
     def after(cls, shared: "_Wiring") -> "_Wiring":
