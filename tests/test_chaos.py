@@ -15,7 +15,7 @@ CI's time than the 2-core Intel Xeon has): the controller lost while preprocess 
 dataset, then the controller's pod deleted mid-train (its Deployment starts another); the
 kubelet down 30 s, etcd restarted and the API server down 30 s, in turn (cluster/restart.sh);
 the train pod evicted for its local storage; the S3 server (on its persistent volume) stopped
-and started again while preprocess uploads and while train loads, then the train pod deleted,
+and started again while download uploads and while train loads, then the train pod deleted,
 as an operator or an autoscaler does; and ten users submitting at once (the last case: it
 publishes the template, and its runs read a source of their own). The cases that need
 preprocess to run empty the memoization cache first. Ten users at once is marked
@@ -466,9 +466,10 @@ def test_the_s3_server_down_while_artifacts_move_then_the_train_pod_deleted_lose
     """One run, the memoization cache emptied first so that preprocess runs:
 
     1. the S3 Deployment stopped for S3_DOWN_S and started again (on its persistent volume)
-       twice, each time while Argo's executor moves an artifact: preprocess's upload of the
-       dataset (its wait container, once main has ended), then train's load of it (its init
-       container). Each transfer waits the outage out (retried by minio-go, then by Argo's
+       twice, each time while Argo's executor moves an artifact: download's upload of raw (its
+       wait container, once main has ended; preprocess's main reads raw from S3 itself since
+       2026-11-30, so an outage timed around its upload would meet its main), then train's
+       load of the dataset (its init container). Each transfer waits the outage out (retried by minio-go, then by Argo's
        executor) and succeeds; the bucket's objects outlive both restarts.
     2. ``kubectl delete pod`` on the running train, once its first checkpoint is in S3, as an
        operator or an autoscaler does. The kubelet sends the containers SIGTERM and the pod
@@ -487,10 +488,10 @@ def test_the_s3_server_down_while_artifacts_move_then_the_train_pod_deleted_lose
     store.client().put_object(Bucket=BUCKET, Key=kept, Body=name.encode())
     empty_memo_cache()
     argo.create_workflow(compiled(*LONG_TRAIN, name=name))
-    until(lambda: step_pod(name, "preprocess", "main", "running"), 600,
-          "preprocess's main container running", every=0.5)
-    uploader, _ = s3_down_while(lambda: step_pod(name, "preprocess", "main", "terminated"),
-                                "preprocess's main ended, its wait container uploading")
+    until(lambda: step_pod(name, "download", "main", "running"), 600,
+          "download's main container running", every=0.5)
+    uploader, _ = s3_down_while(lambda: step_pod(name, "download", "main", "terminated"),
+                                "download's main ended, its wait container uploading")
     until(lambda: argo_nodes(argo.get_workflow(name)).get("preprocess", {}).get("phase")
           == "Succeeded", 600, "preprocess Succeeded", every=0.5)
     loader, gone = s3_down_while(lambda: step_pod(name, "train", "init", "running") or
@@ -522,7 +523,7 @@ def test_the_s3_server_down_while_artifacts_move_then_the_train_pod_deleted_lose
     one_pod_per_attempt(name)
     assert store.client().get_object(Bucket=BUCKET, Key=kept)["Body"].read() == name.encode()
     release.check(name, tmp_path, train_retried=True)
-    record(f"S3 down {S3_DOWN_S} s while preprocess uploaded, and again while train loaded, "
+    record(f"S3 down {S3_DOWN_S} s while download uploaded, and again while train loaded, "
            f"then the train pod deleted mid-step", wf, compare=False,
            first_attempt=first.get("message"), upload=transfers["wait"],
            load=transfers.get("init"), second_outage_met_by=met_by)

@@ -28,7 +28,9 @@ from workflows.unet import build
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIRED = os.environ.get("UNET_REQUIRE_CONTAINERS") == "1"
-CFG = load_config(None, None, [], local=True)
+# a bucket of its own: these runs memoize download, and another module's run of the same
+# source would take its entry (preprocess reads raw by key from the workflow's bucket)
+CFG = load_config(None, None, ["storage.bucket=test-pods"], local=True)
 IMAGE = f"{CFG.images.cpu.repository}:{CFG.images.cpu.tag}"
 
 
