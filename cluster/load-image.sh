@@ -13,21 +13,20 @@ here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/lib.sh"
 (( $# )) || die "usage: bash cluster/load-image.sh IMAGE..."
 ctr_() { ctr --address "$CONTAINERD_SOCK" -n k8s.io "$@"; }
+# The manifest digest of the image NAME in containerd (empty when it is not there).
+manifest_of() { ctr_ images ls "name==$1" | awk 'NR == 2 {print $3}'; }
 # The config digest of the image NAME in containerd (empty when it is not there): the
 # manifest's config.digest, which is what podman reports as the image ID.
 loaded_id() {
   local manifest
-  manifest="$(ctr_ images ls "name==$1" | awk 'NR == 2 {print $3}')"
+  manifest="$(manifest_of "$1")"
   [[ -n "$manifest" ]] || return 0
   ctr_ content get "$manifest" | python3 -c 'import json, sys; print(json.load(sys.stdin)["config"]["digest"])'
 }
 # The chain ID of IMAGE's top layer (the snapshot a container of it starts from: containerd's
 # WithNewSnapshot prepares on identity.ChainID(config.rootfs.diff_ids)).
 chain_id() {
-  local manifest config
-  manifest="$(ctr_ images ls "name==$1" | awk 'NR == 2 {print $3}')"
-  config="$(ctr_ content get "$manifest" | python3 -c 'import json, sys; print(json.load(sys.stdin)["config"]["digest"])')"
-  ctr_ content get "$config" | python3 -c '
+  ctr_ content get "$(loaded_id "$1")" | python3 -c '
 import hashlib, json, sys
 chain = None
 for diff in json.load(sys.stdin)["rootfs"]["diff_ids"]:
@@ -45,7 +44,7 @@ discard_layers() {
   chain="$(chain_id "$1")"
   ctr_ snapshots --snapshotter overlayfs info "$chain" > /dev/null 2>&1 \
     || die "$1: its top snapshot $chain is not there after the import; layers kept"
-  digests="$(ctr_ content get "$(ctr_ images ls "name==$1" | awk 'NR == 2 {print $3}')" \
+  digests="$(ctr_ content get "$(manifest_of "$1")" \
     | python3 -c 'import json, sys; print(*(l["digest"] for l in json.load(sys.stdin)["layers"]))')"
   # shellcheck disable=SC2086  # one argument per digest
   ctr_ content rm $digests > /dev/null

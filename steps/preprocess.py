@@ -548,15 +548,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_disjoint({"--dataset": args.dataset}, {"--raw": args.raw})
     recorded = {p.name: getattr(args, p.name) for p in params.PREPROCESS if p.shapes_output}
     start = time.perf_counter()
+    scratch = Path(args.dataset) / FETCHED   # beside publish's staging folder, in --dataset
     with publish(args.dataset, "dataset", "preprocess", recorded) as staging, \
-            raw_task(args.raw, staging.parent / FETCHED) as (task, remote):
+            raw_task(args.raw, scratch) as (task, remote):
         cases_dir = staging / CASES_DIR
         cases_dir.mkdir()
         jobs = [Job(name=name, image=str(image), label=str(label),
                     n_channels=len(task["channels"]), labels=tuple(task["labels"]),
                     mode=args.mode, patch=patch, image_dtype=args.image_dtype,
-                    out_dir=str(cases_dir), scratch=str(staging.parent / FETCHED),
-                    remote=_for_case(remote, staging.parent / FETCHED, image, label))
+                    out_dir=str(cases_dir), scratch=str(scratch),
+                    remote=_for_case(remote, scratch, image, label))
                 for name, image, label in task["pairs"]]
         workers, threads = plan_workers(args.workers, len(jobs))
         results = tqdm(_imap(jobs, workers, threads), total=len(jobs), desc="preprocess",
