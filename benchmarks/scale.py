@@ -127,8 +127,8 @@ def _point(result: RunResult, workflow: dict, objects: dict) -> dict:
                for n in result.nodes}
     steps = {}
     for node in result.nodes:
-        by_key = sum(bykey.fetched_bytes(Path(node.log_path).read_text(errors="replace"))
-                     .values())
+        log = Path(node.log_path).read_text(errors="replace")
+        by_key = sum(bykey.fetched_bytes(log).values())
         read = sum(written[task][name] for task, name in inputs_of(workflow)[node.task]) + by_key
         steps[node.task] = {"wall_s": node.step_seconds, "node_s": node.seconds,
                             "around_s": node.seconds - node.step_seconds,
@@ -136,7 +136,9 @@ def _point(result: RunResult, workflow: dict, objects: dict) -> dict:
                             "peak_anon_bytes": node.max_anon_bytes,
                             "peak_disk_bytes": node.max_disk_bytes,
                             "s3_written_bytes": sum(written[node.task].values()),
-                            "s3_read_bytes": read, "s3_read_by_key_bytes": by_key}
+                            "s3_read_bytes": read, "s3_read_by_key_bytes": by_key,
+                            "s3_saved_by_key_bytes": sum(bykey.fetched_bytes(
+                                log, bykey.SAVED).values())}
     return {"steps": steps}
 
 

@@ -17,7 +17,7 @@ import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from steps import __version__, schemas
 from steps.params import IO, OUTPUTS_DIR
@@ -43,10 +43,13 @@ def list_files(root: Path) -> list[Path]:
     return sorted(f for f in files if f.as_posix() != MANIFEST and _STAGING not in f.parts)
 
 
-def build_manifest(root: Path, artifact: str, step: str,
-                   parameters: dict[str, Any]) -> dict[str, Any]:
+def build_manifest(root: Path, artifact: str, step: str, parameters: dict[str, Any],
+                   elsewhere: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """The manifest of every file under ``root``, and of ``elsewhere``'s entries (files
+    of the artifact already saved by key, ``steps.bykey.Saver``), in path order."""
     files = [{"path": rel.as_posix(), "size": (root / rel).stat().st_size,
               "sha256": sha256_file(root / rel)} for rel in list_files(root)]
+    files = sorted([*files, *elsewhere], key=lambda entry: entry["path"])
     return {
         "artifact": artifact,
         "schema_version": SCHEMA_VERSION,
@@ -55,9 +58,10 @@ def build_manifest(root: Path, artifact: str, step: str,
     }
 
 
-def write_manifest(root: Path, artifact: str, step: str, parameters: dict[str, Any]) -> Path:
+def write_manifest(root: Path, artifact: str, step: str, parameters: dict[str, Any],
+                   elsewhere: Sequence[dict[str, Any]] = ()) -> Path:
     """Hash every file under ``root`` and write ``MANIFEST.json`` atomically, last."""
-    manifest = build_manifest(root, artifact, step, parameters)
+    manifest = build_manifest(root, artifact, step, parameters, elsewhere)
     target = root / MANIFEST
     tmp = root / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
@@ -206,9 +210,12 @@ def _disk_full(exc: OSError) -> bool:
 
 
 @contextmanager
-def publish(out_dir: Path | str, artifact: str, step: str,
-            parameters: dict[str, Any]) -> Iterator[Path]:
+def publish(out_dir: Path | str, artifact: str, step: str, parameters: dict[str, Any],
+            saved: Callable[[], Sequence[dict[str, Any]]] | None = None) -> Iterator[Path]:
     """Yield an empty staging directory; on success publish it into ``out_dir``.
+
+    ``saved``, when given, is called after the body: the manifest entries of the artifact's
+    files that the step saved by key and no longer holds (``steps.bykey.Saver``).
 
     The staging directory lives inside ``out_dir`` (same filesystem, so moves are renames, and
     no write outside the declared output). ``out_dir`` must be empty or absent. On success the
@@ -238,7 +245,7 @@ def publish(out_dir: Path | str, artifact: str, step: str,
         for child in sorted(staging.iterdir()):
             os.replace(child, out_dir / child.name)
         staging.rmdir()
-        write_manifest(out_dir, artifact, step, parameters)
+        write_manifest(out_dir, artifact, step, parameters, saved() if saved else ())
     except BaseException as exc:
         _empty(out_dir)
         if made:

@@ -8,24 +8,39 @@ reads its ``MANIFEST.json`` (held to ``max_json_bytes`` and checked as a local m
 and ``Remote.fetch`` brings one listed file into a folder of the step's own, checked against
 the manifest's size before it streams and its sha256 after. So the pod holds what the step
 is working on, not the artifact.
+
+The other way, a step can write its output by key as it makes it (``Saver``): each finished
+file goes to ``PREFIX/<path>`` at once, from a thread of its own so the upload overlaps the
+work, and leaves the pod; the manifest the step writes last lists it. The executor then saves
+only what is left in the output folder (the metadata and the manifest) at the same key, beside
+what the step saved: its S3 driver adds objects under a key and removes none (v4.0.5
+``workflow/artifacts/s3/s3.go``: ``saveS3Artifact``, ``PutDirectory``), and a reader's
+``GetDirectory`` lists every object under it. So the artifact in S3 is whole, and the pod
+never held it.
 """
 from __future__ import annotations
 
 import re
+import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterable, Iterator, Sequence, TypeVar
 
-from steps import limits, schemas, storage
+from steps import schemas, storage
 from steps.artifacts import MANIFEST, check_manifest, clean_relative, sha256_file
 from steps.errors import StepError
 
 SCHEME = "s3://"
+T = TypeVar("T")
 
 
-# "<n> bytes of <artifact> fetched by key": how a step that read an input by key says what it
-# read (in its last line); the scale benchmarks count it as the step's S3 reads.
+# "<n> bytes of <artifact> fetched by key" ("saved by key"): how a step that read an input (wrote
+# its output) by key says what it moved (in its last line); the scale benchmarks count it as the
+# step's S3 reads (writes).
 FETCHED = re.compile(r"(\d+) bytes of ([\w-]+) fetched by key")
+SAVED = re.compile(r"(\d+) bytes of ([\w-]+) saved by key")
 
 
 def fetched_note(remote: "Remote", rels) -> str:
@@ -33,9 +48,14 @@ def fetched_note(remote: "Remote", rels) -> str:
     return f"{remote.bytes_of(rels)} bytes of {remote.artifact} fetched by key"
 
 
-def fetched_bytes(log: str) -> dict[str, int]:
-    """Artifact -> the bytes a step's log says it fetched by key."""
-    return {m.group(2): int(m.group(1)) for m in FETCHED.finditer(log)}
+def saved_note(saver: "Saver") -> str:
+    """The words of :data:`SAVED` for what ``saver`` has saved."""
+    return f"{saver.bytes_saved()} bytes of {saver.artifact} saved by key"
+
+
+def fetched_bytes(log: str, said=FETCHED) -> dict[str, int]:
+    """Artifact -> the bytes a step's log says it fetched by key (``said=SAVED``: saved)."""
+    return {m.group(2): int(m.group(1)) for m in said.finditer(log)}
 
 
 def is_remote(location: Path | str) -> bool:
@@ -76,11 +96,10 @@ class Remote:
 def open_remote(uri: str, artifact: str) -> Remote:
     """The artifact at prefix ``uri`` by its manifest (StepError naming it when absent,
     too large, malformed, of another artifact, or listing a path that leaves the prefix)."""
-    storage.parse_uri(uri)
     where = f"artifact '{artifact}' at {uri}: {MANIFEST}"
-    if not storage.exists(f"{uri}/{MANIFEST}"):
+    raw = storage.manifest_bytes(uri)
+    if raw is None:
         raise StepError(f"{where} is missing (the producing step did not finish)")
-    raw = storage.get_bytes(f"{uri}/{MANIFEST}", limit=limits.get("max_json_bytes"))
     manifest: dict[str, Any] = check_manifest(schemas.parse_json(raw, where), artifact, where)
     files = {}
     for entry in manifest["files"]:
@@ -89,3 +108,110 @@ def open_remote(uri: str, artifact: str) -> Remote:
             raise StepError(f"{where}: {entry['path']!r} is not a clean relative path")
         files[entry["path"]] = (entry["size"], entry["sha256"])
     return Remote(uri=uri, artifact=artifact, files=files, manifest_bytes=len(raw))
+
+
+def check_apart(output: str, inputs: dict[str, Path | str]) -> None:
+    """Refuse an output prefix that equals, contains or lies inside an input's S3 prefix
+    (``check_disjoint``'s rule for what it skips): the step would write into what it reads."""
+    out_bucket, out_key = storage.parse_uri(output)
+    out_parts = PurePosixPath(out_key.strip("/")).parts
+    for flag, place in inputs.items():
+        if not is_remote(place):
+            continue
+        bucket, key = storage.parse_uri(place)
+        parts = PurePosixPath(key.strip("/")).parts
+        shorter = min(len(parts), len(out_parts))
+        if bucket == out_bucket and parts[:shorter] == out_parts[:shorter]:
+            raise StepError(f"the output at {output} and {flag} {place} overlap (the same "
+                            "place, or one inside the other): an output must lie apart from "
+                            "the step's inputs")
+
+
+class Saver:
+    """Artifact ``artifact`` saved at the S3 prefix ``uri`` while the step writes it, one item
+    (a case: a few files) at a time: :meth:`save` uploads an item's finished files to
+    ``uri/<rel>`` on one background thread (the step's work goes on), records their sizes and
+    sha256 for the manifest and removes the local files. :meth:`saved` waits for them all and
+    gives the manifest's entries.
+
+    :meth:`paced` hands the step its items so that at most ``ahead`` of them are begun and
+    not yet saved: where the upload is slower than the work, the work waits, and the step's
+    disk holds at most ``ahead`` items whatever the size of the artifact.
+
+    Used as a context manager: the prefix must be empty on entry (another run's leftovers
+    would pass for this one's files); on any error, SIGTERM's included, the queued uploads
+    finish and then every object under the prefix is deleted, so nothing partial is left
+    there."""
+
+    def __init__(self, uri: str, artifact: str):
+        storage.parse_uri(uri)
+        self.uri, self.artifact = uri.rstrip("/"), artifact
+        self._room: threading.Semaphore | None = None
+        self._ahead = 0
+        self._closed = False
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
+        self._failed: BaseException | None = None
+
+    def __enter__(self) -> "Saver":
+        leftover = storage.list_keys(self.uri)
+        if leftover:
+            raise StepError(f"output '{self.artifact}' at {self.uri} is not empty (found "
+                            f"{leftover[0]}); it is saved by key at a prefix of its own")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"save-{self.artifact}")
+        return self
+
+    def paced(self, items: Iterable[T], ahead: int) -> Iterator[T]:
+        """``items``, each once fewer than ``ahead`` earlier ones are begun and unsaved (every
+        item given out must then be passed to :meth:`save`)."""
+        self._room, self._ahead = threading.Semaphore(ahead), ahead
+        for item in items:
+            self._room.acquire()
+            if self._closed:
+                return
+            yield item
+
+    def save(self, files: Sequence[tuple[Path, str]]) -> None:
+        """Queue one item's files, (local path, path in the artifact) each, for upload; an
+        earlier upload's error is raised here, so the step stops at its next item."""
+        if self._failed is not None:
+            raise self._failed
+        future = self._pool.submit(self._upload, [(Path(path), rel) for path, rel in files])
+        future.add_done_callback(self._done)
+        self._pending.append(future)
+
+    def _done(self, future: Future) -> None:
+        if self._room is not None:
+            self._room.release()
+        if not future.cancelled() and future.exception() is not None:
+            self._failed = self._failed or future.exception()
+
+    def _upload(self, files: list[tuple[Path, str]]) -> list[dict[str, Any]]:
+        entries = []
+        for path, rel in files:
+            entries.append({"path": rel, "size": path.stat().st_size,
+                            "sha256": sha256_file(path)})
+            storage.upload_file(path, f"{self.uri}/{rel}")
+            path.unlink()
+        return entries
+
+    def saved(self) -> list[dict[str, Any]]:
+        """The manifest entries of every file saved, once all are uploaded (the first
+        upload's error is raised here)."""
+        return [entry for future in self._pending for entry in future.result()]
+
+    def bytes_saved(self) -> int:
+        return sum(entry["size"] for entry in self.saved())
+
+    def __exit__(self, kind, exc, tb) -> None:
+        self._closed = True                 # a paced() waiting for room (a pool's feeder
+        for _ in range(self._ahead):        # thread) stops instead of waiting for ever
+            self._room.release()
+        self._pool.shutdown(wait=True)      # on error too: then nothing lands after the delete
+        if kind is None:
+            return
+        try:
+            storage.delete_prefix(self.uri)
+        except StepError as cleanup:     # S3 itself may be the fault: the step's error stands
+            print(f"warning: {self.uri} may hold part of '{self.artifact}' (never listed by a "
+                  f"manifest): {cleanup}", file=sys.stderr)

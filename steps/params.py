@@ -274,6 +274,7 @@ class StepIO:
     files: dict[str, str] = field(default_factory=dict)   # artifact name -> a part of writes
     release: str | None = None             # also stored at models/<model>/<workflow><release>
     by_key: tuple[str, ...] = ()           # inputs it can also read from S3 by key (bykey)
+    saves_by_key: bool = False             # it can save its output by key as it works (bykey)
 
 
 # What each artifact holds (the writer's flag help); the readers say what they take from it.
@@ -300,7 +301,7 @@ IO = {
     "preprocess": StepIO(
         reads={"raw": "MANIFEST.json and Task01_BrainTumour/ or one other task directory "
                       "with a dataset.json"},
-        writes="dataset", by_key=("raw",)),
+        writes="dataset", by_key=("raw",), saves_by_key=True),
     "train": StepIO(
         reads={"dataset": "the preprocessed cases and their folds"}, writes="model",
         outputs=("mean_dice", "best_epoch", "img_per_s"), files={"report": REPORT_FOLDER}),
@@ -349,12 +350,26 @@ def add_artifacts(parser: argparse.ArgumentParser, step: str) -> None:
     parser.add_argument(f"--{io.writes}", required=True, type=Path, metavar="DIR",
                         help=f"output `{io.writes}` artifact directory (absent or empty): "
                              f"{ARTIFACTS[io.writes]}")
+    if io.saves_by_key:
+        parser.add_argument(f"--{io.writes}-uri", type=s3_prefix,
+                            metavar="s3://BUCKET/PREFIX",
+                            help=f"also save `{io.writes}` at this empty S3 prefix as it is "
+                                 f"made: each finished file is uploaded and leaves "
+                                 f"--{io.writes}, which keeps the rest and the manifest of "
+                                 "the whole (the same prefix then receives those)")
 
 
 def artifact_location(text: str) -> Path | str:
     """An input artifact flag's value: ``s3://BUCKET/PREFIX`` kept as text (read by key,
     ``steps.bykey``), anything else a directory."""
     return text.rstrip("/") if text.startswith("s3://") else Path(text)
+
+
+def s3_prefix(text: str) -> str:
+    """An output's ``s3://BUCKET/PREFIX`` (no trailing slash); anything else is refused."""
+    if not text.startswith("s3://") or not text[len("s3://"):].strip("/").count("/"):
+        raise argparse.ArgumentTypeError(f"{uris.redact(text)!r} is not s3://BUCKET/PREFIX")
+    return text.rstrip("/")
 
 
 def add_arguments(parser: argparse.ArgumentParser | Any, params: Iterable[Param]) -> None:

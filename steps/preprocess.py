@@ -48,6 +48,14 @@ and each worker fetches its case's two files into a scratch folder inside ``--da
 published), so the step never holds the raw artifact, only the cases in flight, and reads
 no test image at all.
 
+``--dataset-uri s3://BUCKET/PREFIX`` (an empty prefix; the workflow passes the key Argo saves
+the output at) also saves the dataset by key as it is made (``steps.bykey.Saver``): each case's
+two files are uploaded once written, on a thread of their own while the next cases are
+computed, and leave ``--dataset``, which at the end holds ``dataset.json`` and the manifest
+of the whole artifact (the executor saves those at the same prefix). So the pod never holds
+the dataset, and its upload is not a wait after the step. On any failure the prefix is
+emptied again.
+
 Cases run in ``--workers`` processes (spawn); each holds about two volumes at a time and
 returns only small metadata, so memory does not grow with the dataset. Every case is
 computed by the same code in a fixed order, so the bytes do not depend on the worker count.
@@ -63,10 +71,10 @@ import shutil
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 from nibabel.orientations import apply_orientation, io_orientation, ornt2axcodes
@@ -106,6 +114,9 @@ class Job:
 # ----------------------------------------------------------------------------- the raw task
 
 FETCHED = ".raw-by-key"   # read by key: the scratch folder inside --dataset
+# Saved by key: cases begun and not yet uploaded, per worker (one in a worker, one written and
+# waiting for the upload), so the pod holds a few cases at any size of the dataset.
+AHEAD_PER_WORKER = 2
 
 
 def choose_task(tasks: list[str], raw: Path | str) -> str:
@@ -462,7 +473,7 @@ def plan_workers(requested: int, jobs: int) -> tuple[int, int]:
     return workers, max(1, threads // workers)
 
 
-def _imap(jobs: list[Job], workers: int, threads: int) -> Iterator[dict[str, Any]]:
+def _imap(jobs: Iterable[Job], workers: int, threads: int) -> Iterator[dict[str, Any]]:
     """Results of process_case in job order; worker pools are always shut down."""
     if workers == 1:
         yield from map(process_case, jobs)
@@ -546,11 +557,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     patch = parse_patch(args.patch_size)
     if not bykey.is_remote(args.raw):
         check_disjoint({"--dataset": args.dataset}, {"--raw": args.raw})
+    if args.dataset_uri:
+        bykey.check_apart(args.dataset_uri, {"--raw": args.raw})
     recorded = {p.name: getattr(args, p.name) for p in params.PREPROCESS if p.shapes_output}
     start = time.perf_counter()
     scratch = Path(args.dataset) / FETCHED   # beside publish's staging folder, in --dataset
-    with publish(args.dataset, "dataset", "preprocess", recorded) as staging, \
-            raw_task(args.raw, scratch) as (task, remote):
+    saver = bykey.Saver(args.dataset_uri, "dataset") if args.dataset_uri else None
+    # the saver inside publish: on an error its queued uploads finish (and the prefix is
+    # emptied) before publish empties the folder they read from
+    with publish(args.dataset, "dataset", "preprocess", recorded,
+                 saved=saver and saver.saved) as staging, \
+            saver or nullcontext(), raw_task(args.raw, scratch) as (task, remote):
         cases_dir = staging / CASES_DIR
         cases_dir.mkdir()
         jobs = [Job(name=name, image=str(image), label=str(label),
@@ -560,23 +577,41 @@ def main(argv: Sequence[str] | None = None) -> int:
                     remote=_for_case(remote, scratch, image, label))
                 for name, image, label in task["pairs"]]
         workers, threads = plan_workers(args.workers, len(jobs))
-        results = tqdm(_imap(jobs, workers, threads), total=len(jobs), desc="preprocess",
-                       unit="case", file=sys.stderr)
-        cases = list(results)
+        paced = saver.paced(jobs, AHEAD_PER_WORKER * workers) if saver else jobs
+        results = tqdm(_imap(paced, workers, threads),
+                       total=len(jobs), desc="preprocess", unit="case", file=sys.stderr)
+        cases = [_saved(entry, staging, saver) for entry in results]
         meta = dataset_json(task, cases, args, patch)
         check_metadata(meta, f"{DATASET_JSON} for {args.dataset}")   # what train reads
         (staging / DATASET_JSON).write_text(json.dumps(meta, indent=1) + "\n")
+        if saver:
+            saver.saved()            # every case uploaded before publish moves the folder
     total = sum(p.stat().st_size for p in args.dataset.rglob("*") if p.is_file())
-    fetched = "" if remote is None else ", " + bykey.fetched_note(remote, [
-        f"{task['name']}/dataset.json", *(rel for job in jobs for rel in job.remote.files)])
     print(f"preprocess: {len(cases)} cases, {total / 1e6:.1f} MB in {args.dataset}, "
           f"{time.perf_counter() - start:.1f} s with {workers} worker(s) of {threads} "
           f"thread(s) (--workers {args.workers}), gzip via "
           f"{nifti.GZIP_BACKEND}, max {args.image_dtype} error "
-          f"{meta['normalisation']['image_dtype_error']['max_abs']:.2g}{fetched}",
-          file=sys.stderr)
+          f"{meta['normalisation']['image_dtype_error']['max_abs']:.2g}"
+          f"{_moved_by_key(task, jobs, remote, saver)}", file=sys.stderr)
     return 0
 
+
+def _moved_by_key(task: dict[str, Any], jobs: list[Job], remote, saver) -> str:
+    """The summary's account of what the step read and saved by key itself (``bykey``)."""
+    moved = ""
+    if remote is not None:
+        moved += ", " + bykey.fetched_note(remote, [
+            f"{task['name']}/dataset.json", *(rel for job in jobs for rel in job.remote.files)])
+    if saver is not None:
+        moved += ", " + bykey.saved_note(saver)
+    return moved
+
+
+def _saved(entry: dict[str, Any], staging: Path, saver: bykey.Saver | None) -> dict[str, Any]:
+    """A case's entry, once its two files are queued to be saved by key (when they are)."""
+    if saver is not None:
+        saver.save([(staging / entry[part], entry[part]) for part in ("image", "label")])
+    return entry
 
 if __name__ == "__main__":
     sys.exit(run_main(main))

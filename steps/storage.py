@@ -529,6 +529,23 @@ def _safe_relative(rel: str, uri: str) -> PurePosixPath:
     return path
 
 
+def manifest_bytes(uri: str, client=None, action: str = "reading") -> bytes | None:
+    """The bytes of the artifact's ``MANIFEST.json`` at prefix ``uri``, held to
+    ``max_json_bytes`` before its body is read; None when there is none (one GET)."""
+    bucket, key = parse_uri(uri)
+    s3 = client or client_for(uri)
+    where = f"{uri}/{MANIFEST}"
+    with _errors(s3, uri, action):
+        try:
+            return _bounded_body(s3.get_object(Bucket=bucket, Key=_prefix(key) + MANIFEST),
+                                 limits.get("max_json_bytes"),
+                                 lambda size: limits.check("max_json_bytes", size, where))
+        except bexc.ClientError as exc:
+            if not _is_missing(exc):
+                raise
+            return None
+
+
 def download_dir(uri: str, local_dir: Path | str, client=None, *, artifact: str | None = None,
                  require_manifest: bool = True, check_hashes: bool = True,
                  config: TransferConfig | None = None, progress: bool = True) -> int:
@@ -544,16 +561,7 @@ def download_dir(uri: str, local_dir: Path | str, client=None, *, artifact: str 
     prefix = _prefix(key)
     root = Path(local_dir)
     s3 = client or client_for(uri)
-    with _errors(s3, uri, "downloading"):
-        try:
-            where = f"{uri}/{MANIFEST}"
-            raw = _bounded_body(s3.get_object(Bucket=bucket, Key=prefix + MANIFEST),
-                                limits.get("max_json_bytes"),
-                                lambda size: limits.check("max_json_bytes", size, where))
-        except bexc.ClientError as exc:
-            if not _is_missing(exc):
-                raise
-            raw = None
+    raw = manifest_bytes(uri, s3, "downloading")
     listed = list_objects(uri, s3)
     if raw is None:
         if not listed:  # as Argo's S3 driver: an empty prefix is not a directory

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -18,7 +19,8 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from steps import bykey, nifti, storage
+from steps import bykey, limits, nifti, storage
+from steps import preprocess as preprocess_step
 from steps.artifacts import MANIFEST, write_manifest
 from steps.dataset import open_cases, read_metadata
 from steps.errors import run_main
@@ -475,6 +477,115 @@ def test_raw_read_by_key_refuses_what_its_manifest_does_not_vouch_for(raw_in_s3,
     assert not out.exists()
 
 
+# ----------------------------------------------------------------------------- dataset saved by key
+
+def _dataset_uri(raw_uri: str) -> str:
+    """Where the workflow has preprocess save its dataset: beside the raw artifact's pod."""
+    return raw_uri.replace("/download-pod/raw", "/preprocess-pod/dataset")
+
+
+@pytest.mark.slow
+def test_dataset_saved_by_key_is_the_same_artifact_and_leaves_the_folder(raw_in_s3, tmp_path):
+    """``--dataset-uri``: each case's files are in S3 and not in ``--dataset``, which keeps
+    ``dataset.json`` and the manifest of the whole; saved beside the cases as the executor
+    saves a folder, the prefix is byte for byte the artifact made without the flag. The last
+    line says exactly the bytes saved by key."""
+    root, uri = raw_in_s3
+    patch = f"{PATCH[0]}x{PATCH[1]}"
+    assert main(["--raw", str(root), "--dataset", str(tmp_path / "plain"),
+                 "--patch-size", patch]) == 0
+    out, saved = tmp_path / "pod", _dataset_uri(uri)
+    result = run_cli("--raw", uri, "--dataset", str(out), "--dataset-uri", saved,
+                     "--workers", "2", "--patch-size", patch)
+    assert result.returncode == 0, result.stderr
+    assert sorted(all_bytes(out)) == [MANIFEST, "dataset.json"]
+    cases = {rel: data for rel, data in all_bytes(tmp_path / "plain").items()
+             if rel.startswith("cases/")}
+    assert len(cases) == 8
+    assert bykey.fetched_bytes(result.stderr.splitlines()[-1], bykey.SAVED) == {
+        "dataset": sum(map(len, cases.values()))}
+    storage.upload_dir(out, saved, progress=False)          # the executor's save
+    storage.download_dir(saved, tmp_path / "whole", progress=False)
+    assert all_bytes(tmp_path / "whole") == all_bytes(tmp_path / "plain")
+
+
+def test_the_saver_keeps_at_most_ahead_items_begun_and_unsaved(s3_env, tmp_path, monkeypatch):
+    """Uploads slower than the work: the work waits, so no more than ``ahead`` items are
+    ever on disk at once (and that many are: the bound is what holds them back); every item
+    is saved, and listed, in order."""
+    upload_file = storage.upload_file
+
+    def slow(*args, **kwargs):
+        time.sleep(0.1)
+        return upload_file(*args, **kwargs)
+
+    monkeypatch.setattr(storage, "upload_file", slow)
+    uri, peak = f"s3://{s3_env.bucket}/{tmp_path.name}/pod/out", 0
+    with bykey.Saver(uri, "out") as saver:
+        for i in saver.paced(range(12), 3):
+            path = tmp_path / f"{i:02d}.bin"
+            path.write_bytes(bytes([i]) * 1000)
+            peak = max(peak, len(list(tmp_path.glob("*.bin"))))
+            saver.save([(path, path.name)])
+        entries = saver.saved()
+    assert peak == 3
+    assert [e["path"] for e in entries] == [f"{i:02d}.bin" for i in range(12)]
+    assert len(storage.list_keys(uri)) == 12 and not list(tmp_path.glob("*.bin"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_failed_case_empties_the_prefix_the_dataset_was_saved_at(raw_in_s3, tmp_path, workers,
+                                                                    capsys, monkeypatch):
+    """The last case fails (its image changed in S3) after the first three were saved: the six
+    objects saved are deleted, one line, exit 2, nothing published, and a pool's feeder
+    waiting for room lets the pool close. In process, to count what the clean-up deleted."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)   # the step sets it; restored after
+    _, uri = raw_in_s3
+    saved, out = _dataset_uri(uri), tmp_path / "ds"
+    bucket, key = storage.parse_uri(uri)
+    s3 = storage.client_for(uri)
+    target = f"{key}/Task01_BrainTumour/imagesTr/BRATS_004.nii.gz"
+    body = bytearray(s3.get_object(Bucket=bucket, Key=target)["Body"].read())
+    body[-1] ^= 0xFF
+    s3.put_object(Bucket=bucket, Key=target, Body=bytes(body))
+    deleted, delete_prefix = [], storage.delete_prefix
+    monkeypatch.setattr(storage, "delete_prefix",
+                        lambda *a, **k: deleted.append(delete_prefix(*a, **k)) or deleted[-1])
+    # as many CPUs as workers, whatever else the machine runs (limits.FairThreads would
+    # measure it), so that two workers are a pool of two; and the pool's size recorded
+    monkeypatch.setenv("OMP_NUM_THREADS", str(workers))
+    monkeypatch.setattr(limits, "set_threads", lambda count=None: count or workers)
+    pools, imap = [], preprocess_step._imap
+    monkeypatch.setattr(preprocess_step, "_imap", lambda jobs, n, threads: pools.append(n) or
+                        imap(jobs, n, threads))
+    code = run_main(main, ["--raw", uri, "--dataset", str(out), "--dataset-uri", saved,
+                           "--workers", str(workers), "--patch-size", f"{PATCH[0]}x{PATCH[1]}"])
+    err = capsys.readouterr().err
+    assert_one_line_error(subprocess.CompletedProcess([], code, "", err), "BRATS_004")
+    assert pools == [workers]
+    assert deleted == [6] and storage.list_keys(saved) == []
+    assert not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["not empty", "inside raw"])
+def test_a_dataset_prefix_in_use_is_refused_before_any_work(raw_in_s3, tmp_path, case):
+    """A prefix that already holds an object (which stays) or lies inside ``--raw``: one
+    line, exit 2, nothing published, nothing saved."""
+    _, uri = raw_in_s3
+    saved = f"{uri}/dataset" if case == "inside raw" else _dataset_uri(uri)
+    if case == "not empty":
+        storage.put_bytes(b"another run's", f"{saved}/cases/x.npy")
+    out = tmp_path / "ds"
+    result = run_cli("--raw", uri, "--dataset", str(out), "--dataset-uri", saved,
+                     "--patch-size", f"{PATCH[0]}x{PATCH[1]}")
+    assert_one_line_error(result, {"not empty": "not empty", "inside raw": "overlap"}[case])
+    assert storage.list_keys(saved) == ([f"{storage.parse_uri(saved)[1]}/cases/x.npy"]
+                                        if case == "not empty" else [])
+    assert not out.exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_any_number_of_cases_is_preprocessed_with_a_fold_per_case_below_five(tmp_path, n):
@@ -515,6 +626,10 @@ def test_bad_parameters_and_help():
     assert_one_line_error(run_cli("--raw", "x", "--dataset", "y", "--patch-size", "192"),
                           "--patch-size")
     assert_one_line_error(run_cli("--raw", "x", "--dataset", "y", "--workers", "0"), "--workers")
+    for uri in ("http://user:SECRETX@host/p", "s3://bucket", "s3://AKIA:SECRETX@bucket/p"):
+        result = run_cli("--raw", "x", "--dataset", "y", "--dataset-uri", uri)
+        assert "SECRETX" not in result.stderr
+        assert_one_line_error(result, "--dataset-uri" if "bucket/" not in uri else "credentials")
 
 
 NIBABEL_DATA = Path(nib.__file__).parent / "tests" / "data"

@@ -137,13 +137,15 @@ def run_size(argo, store, total: int) -> dict:
             for pod in pods_of(name)}
     steps = {}
     for task, pod in pods.items():
-        by_key = sum(bykey.fetched_bytes(kubectl("-n", NAMESPACE, "logs", pod["metadata"]["name"],
-                                                 "-c", "main")).values())
+        log = kubectl("-n", NAMESPACE, "logs", pod["metadata"]["name"], "-c", "main")
+        by_key = sum(bykey.fetched_bytes(log).values())
         steps[task] = {**pod_times(pod), **transfer_times(pod),
                        **usage.usage.get(pod["metadata"]["uid"], {}),
                        "s3_written_bytes": sum(written[task].values()),
                        "s3_read_bytes": sum(written[t][a] for t, a in inputs_of(doc)[task])
-                       + by_key, "s3_read_by_key_bytes": by_key}
+                       + by_key, "s3_read_by_key_bytes": by_key,
+                       "s3_saved_by_key_bytes": sum(bykey.fetched_bytes(log, bykey.SAVED)
+                                                    .values())}
     time.sleep(30)       # the kubelet tears a pod's volumes down when it ends
     left = sum(empty_dir_bytes(pod["metadata"]["uid"]) for pod in pods.values())
     main = sum(row["main_s"] for row in steps.values())

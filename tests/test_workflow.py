@@ -183,6 +183,25 @@ def test_preprocess_reads_raw_by_key_from_the_uri_download_hands_on():
     assert "artifacts" not in task["arguments"]
 
 
+@pytest.mark.parametrize("variant", [(), FOLDS])
+def test_preprocess_saves_its_dataset_at_the_key_its_output_is_saved_at(variant):
+    """``--dataset-uri`` is the bucket and the very key of preprocess's output artifact
+    (both rendered with the pod's name), so the executor adds the manifest beside the cases
+    the step saved; its readers take the artifact as before, whole."""
+    t = _templates(_doc(*variant))
+    preprocess = t["preprocess"]
+    out = {a["name"]: a for a in preprocess["outputs"]["artifacts"]}["dataset"]
+    assert out["s3"] == {"key": "{{workflow.name}}/{{pod.name}}/dataset"}
+    args = preprocess["container"]["args"]
+    assert args[args.index("--dataset-uri") + 1] == f"s3://unet-artifacts/{out['s3']['key']}"
+    assert args[args.index("--dataset") + 1] == "{{outputs.artifacts.dataset.path}}"
+    tasks = {x["name"]: x for x in t["pipeline"]["dag"]["tasks"]}
+    readers = [name for name, task in tasks.items() if any(
+        a.get("from") == "{{tasks.preprocess.outputs.artifacts.dataset}}"
+        for a in (task.get("arguments") or {}).get("artifacts") or [])]
+    assert {"train", "convert", "quantize"} <= {r.split("-")[0] for r in readers}
+
+
 def test_folds_fan_out_after_preprocess_and_join_in_the_ensemble_and_the_pool():
     doc = _doc(*FOLDS)
     t = _templates(doc)
@@ -227,9 +246,12 @@ def test_folds_fan_out_after_preprocess_and_join_in_the_ensemble_and_the_pool():
 
 
 def test_artifact_paths_reach_commands_only_through_variables():
+    """No argument names a container path under /data itself (an S3 key may end in one)."""
     for tmpl in _doc()["spec"]["templates"]:
         for arg in (tmpl.get("container") or {}).get("args", []):
-            assert "/data" not in arg, f"{tmpl['name']}: literal artifact path in {arg}"
+            path = arg.split("://", 1)[0] if "://" in arg else arg
+            assert not re.search(r"(^|[\s=:])/data\b", path), \
+                f"{tmpl['name']}: literal artifact path in {arg}"
         if "container" in tmpl:
             assert tmpl["container"]["command"] == ["python", "-m", f"steps.{tmpl['name']}"]
 

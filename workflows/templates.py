@@ -170,6 +170,21 @@ def artifact_key(artifact: str) -> str:
     return "{{workflow.name}}/{{pod.name}}/" + artifact
 
 
+def artifact_uri(cfg: Config, artifact: str) -> str:
+    """The S3 URI of :func:`artifact_key` in the workflow's bucket."""
+    return f"s3://{cfg.storage.bucket}/{artifact_key(artifact)}"
+
+
+def saves_by_key_args(cfg: Config, step_name: str) -> list[str]:
+    """``--<output>-uri`` for a step that saves its output by key as it works
+    (``params.StepIO.saves_by_key``): the key its output artifact is saved at, where the
+    executor then adds what is left in the folder. The controller renders the pod's name
+    into the arguments and the output's key alike, in one pass over the template (v4.0.5
+    workflow/controller/operator.go executeTemplate, ProcessArgs with localParams)."""
+    io = params.IO[step_name]
+    return [f"--{io.writes}-uri", artifact_uri(cfg, io.writes)] if io.saves_by_key else []
+
+
 def uri_parameter(artifact: str) -> str:
     """The parameter that carries an artifact read by key from its writer to its readers."""
     return f"{artifact}-uri"
@@ -214,6 +229,7 @@ def step_outputs(cfg: Config, step_name: str) -> list:
     io = params.IO[step_name]
     per_fold = cfg.fans_out and step_name in FOLD_STEPS
     out = (by_key_output(cfg, io.writes) if io.writes in BY_KEY
+           else [keyed_directory(io.writes)] if io.saves_by_key
            else [directory(io.writes, output=True)]) + [
         Artifact(name=name, path=f"{artifact_path(io.writes, output=True)}/{file}",
                  archive=NoneArchiveStrategy()) for name, file in io.files.items()]
@@ -230,12 +246,17 @@ def by_key_output(cfg: Config, artifact: str) -> list:
     exists, as it renders the whole template (workflow/controller/operator.go
     executeTemplate, localParams). A memoized writer's cache entry keeps both, so a cache hit
     hands its readers the key of the run that wrote it."""
-    key = artifact_key(artifact)
-    return [S3Artifact(name=artifact, path=f"{DATA}/{artifact}", archive=NoneArchiveStrategy(),
-                       key=key),
+    return [keyed_directory(artifact),
             Parameter(name=uri_parameter(artifact), value_from=m.ValueFrom(
                 path=f"{DATA}/{artifact}/{params.OUTPUTS_DIR}/{uri_parameter(artifact)}",
-                default=f"s3://{cfg.storage.bucket}/{key}"))]
+                default=artifact_uri(cfg, artifact)))]
+
+
+def keyed_directory(artifact: str) -> S3Artifact:
+    """An output directory saved at :func:`artifact_key`, stated rather than left to the
+    repository's keyFormat, because a step or a reader also names it."""
+    return S3Artifact(name=artifact, path=f"{DATA}/{artifact}", archive=NoneArchiveStrategy(),
+                      key=artifact_key(artifact))
 
 
 def release(cfg: Config, path: str, suffix: str) -> S3Artifact:
@@ -338,10 +359,12 @@ def step(cfg: Config, name: str, kind: str, command: list[str] | None = None,
 
 def data_step(cfg: Config, name: str, **kw) -> Container:
     """A CPU step whose command line, inputs and outputs all derive from ``params``."""
-    reads_by_key = s3_env(cfg) if params.IO[name].by_key else []
-    return step(cfg, name, "cpu", args=artifact_args(name) + param_args(cfg, name),
+    io = params.IO[name]
+    by_key = s3_env(cfg) if io.by_key or io.saves_by_key else []
+    return step(cfg, name, "cpu",
+                args=artifact_args(name) + saves_by_key_args(cfg, name) + param_args(cfg, name),
                 inputs=kw.pop("inputs", []) + step_inputs(name), outputs=step_outputs(cfg, name),
-                env=kw.pop("env", reads_by_key + extra_env(cfg)), **kw)
+                env=kw.pop("env", by_key + extra_env(cfg)), **kw)
 
 
 def download_template(cfg: Config) -> Container:
