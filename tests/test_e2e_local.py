@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from steps import storage
+from steps import bykey, storage
 
 pytestmark = pytest.mark.slow
 
@@ -82,6 +82,18 @@ def test_every_node_succeeds_with_artifacts_under_argo_keys(first_run, s3_env, t
         storage.download_dir(f"s3://{ref['bucket']}/{ref['key']}", local, client=client)
         kind = "pooled-evaluation" if artifact == "pooled" else artifact
         assert json.loads((local / "MANIFEST.json").read_text())["artifact"] == kind
+
+
+def test_preprocess_saved_its_dataset_by_key_as_it_ran(first_run, s3_env):
+    """Run as Argo runs it, with ``--dataset-uri`` at its output's key: its last line counts
+    exactly the bytes of the cases under that key; the executor saved the rest."""
+    _, result = first_run
+    node = nodes_by_task(result)["preprocess"]
+    ref = node["artifacts"]["dataset"]
+    objects = storage.list_objects(f"s3://{ref['bucket']}/{ref['key']}")
+    cases = sum(size for key, (size, _) in objects.items() if "/cases/" in key)
+    log = Path(node["log_path"]).read_text(errors="replace")
+    assert cases > 0 and bykey.fetched_bytes(log, bykey.SAVED) == {"dataset": cases}
 
 
 def test_each_fold_trains_on_its_own_split_and_checkpoints_apart(first_run, s3_env):
