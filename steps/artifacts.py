@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator, Sequence
 
-from steps import __version__, schemas
+from steps import __version__, schemas, uris
 from steps.params import IO, OUTPUTS_DIR
 from steps.errors import StepError
 
@@ -109,8 +109,21 @@ def _real(path: Path | str) -> Path:
     return Path(os.path.abspath(path)).resolve()
 
 
-def _overlap(a: Path, b: Path) -> bool:
-    """Equal (by name after links, or the same file by inode), or one inside the other."""
+def _s3_parts(place: Path | str) -> tuple[str, ...] | None:
+    """(bucket, *key's parts) of an ``s3://`` place; None for a local path."""
+    if not (isinstance(place, str) and place.startswith("s3://")):
+        return None
+    parsed = uris.parse(place, "S3 URI", ("s3",))
+    return (parsed.bucket, *PurePosixPath(parsed.key.strip("/")).parts)
+
+
+def _overlap(a: Path | str, b: Path | str) -> bool:
+    """Equal (by name after links, or the same file by inode), or one inside the other; two
+    S3 prefixes by bucket and key, and an S3 prefix never with a local path."""
+    s3_a, s3_b = _s3_parts(a), _s3_parts(b)
+    if s3_a is not None or s3_b is not None:
+        shorter = min(len(s3_a or ()), len(s3_b or ()))
+        return s3_a is not None and s3_b is not None and s3_a[:shorter] == s3_b[:shorter]
     real_a, real_b = _real(a), _real(b)
     if real_a.is_relative_to(real_b) or real_b.is_relative_to(real_a):
         return True
@@ -122,18 +135,24 @@ def _overlap(a: Path, b: Path) -> bool:
 
 def check_disjoint(outputs: dict[str, Path | str | None],
                    inputs: dict[str, Path | str | None]) -> None:
-    """Refuse an output (flag -> local path) that equals, contains or lies inside an input
-    or another output, links resolved: writing there would change an artifact the step reads,
-    which then fails its own manifest. Every step calls it with its flags before any work;
-    None (an S3 place, an unset flag) is skipped."""
-    outs = [(flag, Path(path)) for flag, path in outputs.items() if path]
-    ins = [(flag, Path(path)) for flag, path in inputs.items() if path]
+    """Refuse an output (flag -> local path or ``s3://`` prefix) that equals, contains or
+    lies inside an input or another output, links resolved: writing there would change an
+    artifact the step reads, which then fails its own manifest. Every step calls it with its
+    flags before any work; None (an unset flag, or an S3 place a step does not compare) is
+    skipped."""
+    outs = [(flag, _place(path)) for flag, path in outputs.items() if path]
+    ins = [(flag, _place(path)) for flag, path in inputs.items() if path]
     for index, (flag, path) in enumerate(outs):
         for other, place in outs[index + 1:] + ins:
             if _overlap(path, place):
                 raise StepError(f"{flag} {path} and {other} {place} overlap (the same place, "
                                 "or one inside the other): an output must lie apart from "
                                 "the step's inputs and other outputs")
+
+
+def _place(path: Path | str) -> Path | str:
+    """A local path as a Path; an ``s3://`` prefix kept as text (a Path would fold its //)."""
+    return path if _s3_parts(path) is not None else Path(path)
 
 
 def read_manifest(root: Path, artifact: str) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence, TypeVar
 
 from steps import schemas, storage
@@ -108,23 +108,6 @@ def open_remote(uri: str, artifact: str) -> Remote:
             raise StepError(f"{where}: {entry['path']!r} is not a clean relative path")
         files[entry["path"]] = (entry["size"], entry["sha256"])
     return Remote(uri=uri, artifact=artifact, files=files, manifest_bytes=len(raw))
-
-
-def check_apart(output: str, inputs: dict[str, Path | str]) -> None:
-    """Refuse an output prefix that equals, contains or lies inside an input's S3 prefix
-    (``check_disjoint``'s rule for what it skips): the step would write into what it reads."""
-    out_bucket, out_key = storage.parse_uri(output)
-    out_parts = PurePosixPath(out_key.strip("/")).parts
-    for flag, place in inputs.items():
-        if not is_remote(place):
-            continue
-        bucket, key = storage.parse_uri(place)
-        parts = PurePosixPath(key.strip("/")).parts
-        shorter = min(len(parts), len(out_parts))
-        if bucket == out_bucket and parts[:shorter] == out_parts[:shorter]:
-            raise StepError(f"the output at {output} and {flag} {place} overlap (the same "
-                            "place, or one inside the other): an output must lie apart from "
-                            "the step's inputs")
 
 
 class Saver:

@@ -555,10 +555,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     limits.set_threads()
     patch = parse_patch(args.patch_size)
-    if not bykey.is_remote(args.raw):
-        check_disjoint({"--dataset": args.dataset}, {"--raw": args.raw})
-    if args.dataset_uri:
-        bykey.check_apart(args.dataset_uri, {"--raw": args.raw})
+    check_disjoint({"--dataset": args.dataset, "--dataset-uri": args.dataset_uri},
+                   {"--raw": args.raw})
     recorded = {p.name: getattr(args, p.name) for p in params.PREPROCESS if p.shapes_output}
     start = time.perf_counter()
     scratch = Path(args.dataset) / FETCHED   # beside publish's staging folder, in --dataset
