@@ -20,6 +20,7 @@ never held it.
 """
 from __future__ import annotations
 
+import hashlib
 import re
 import sys
 import threading
@@ -71,6 +72,7 @@ class Remote:
     artifact: str
     files: dict[str, tuple[int, str]]
     manifest_bytes: int = 0
+    manifest_sha256: str = ""
 
     def bytes_of(self, rels) -> int:
         """What fetching the listed files ``rels`` (and the manifest) reads from S3: each
@@ -107,7 +109,8 @@ def open_remote(uri: str, artifact: str) -> Remote:
         if pure is None or pure.as_posix() != entry["path"]:
             raise StepError(f"{where}: {entry['path']!r} is not a clean relative path")
         files[entry["path"]] = (entry["size"], entry["sha256"])
-    return Remote(uri=uri, artifact=artifact, files=files, manifest_bytes=len(raw))
+    return Remote(uri=uri, artifact=artifact, files=files, manifest_bytes=len(raw),
+                  manifest_sha256=hashlib.sha256(raw).hexdigest())
 
 
 class Saver:

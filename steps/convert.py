@@ -44,7 +44,7 @@ import torch
 
 from steps.artifacts import (check_disjoint, manifest_digest, publish, require,
                              write_outputs)
-from steps.dataset import fold_names, open_cases, read_metadata
+from steps.dataset import Source, fold_names, open_cases, read_dataset
 from steps.checkpoints import check_state
 from steps.errors import StepError, run_main
 from steps import limits, params, predict, schemas
@@ -148,22 +148,22 @@ def pick_slices(cases, n: int) -> list[tuple[int, int]]:
     return sorted(chosen)
 
 
-def parity_inputs(dataset_dir: Path, meta: dict[str, Any], fold: int, n: int,
+def parity_inputs(dataset: Source, meta: dict[str, Any], fold: int, n: int,
                   multiple: int) -> tuple[list[SliceGroup], dict[str, Any]]:
     """``n`` real slices from the fold's validation cases (training cases only if too few)."""
     train, val = fold_names(meta, fold)
-    cases = open_cases(dataset_dir, meta, val)
-    total = sum(c.label.shape[0] for c in cases)
+    cases = open_cases(dataset, meta, val)
+    total = sum(c.shape[1] for c in cases)
     extra = []
     if total < n:  # tiny datasets: top up from training cases, recorded in parity.json
-        for case in open_cases(dataset_dir, meta, train):
+        for case in open_cases(dataset, meta, train):
             if total >= n:
                 break
             extra.append(case.name)
             cases.append(case)
-            total += case.label.shape[0]
+            total += case.shape[1]
     if total < n:
-        raise StepError(f"--parity-slices {n}: dataset at {dataset_dir} has only {total} "
+        raise StepError(f"--parity-slices {n}: dataset at {dataset} has only {total} "
                         "slices")
     by_case: dict[int, list[int]] = {}
     for ci, d in pick_slices(cases, n):
@@ -472,29 +472,32 @@ class Inputs:
     source: dict[str, Any]
     reference: list[np.ndarray]
     provenance: dict[str, Any]
+    moved: str = ""           # what the dataset's read by key fetched (Source.moved_note)
 
 
 def read_inputs(args: argparse.Namespace) -> Inputs:
-    """Checkpoint, network, dataset and the eager network's parity logits."""
+    """Checkpoint, network, dataset and the eager network's parity logits (a dataset read by
+    key: only the cases the parity slices come from are fetched)."""
     ckpt_path = args.model / CHECKPOINT
     ckpt = load_checkpoint(args.model)
-    meta = read_metadata(args.dataset)
-    net, config = inference_network(ckpt, ckpt_path)
-    _check_channels(ckpt, config, meta, ckpt_path)
-    fold = (ckpt.get("train_config") or {}).get("fold", 0)     # checked by the schema
-    groups, source = parity_inputs(args.dataset, meta, fold, args.parity_slices,
-                                   config.size_multiple())
+    with read_dataset(args.dataset, args.exported.parent) as (dataset, meta):
+        net, config = inference_network(ckpt, ckpt_path)
+        _check_channels(ckpt, config, meta, ckpt_path)
+        fold = (ckpt.get("train_config") or {}).get("fold", 0)     # checked by the schema
+        groups, source = parity_inputs(dataset, meta, fold, args.parity_slices,
+                                       config.size_multiple())
     reference = run_torch(net, groups)
     check_reference(reference, sum(g.label.size for g in groups))
     trained_on = ckpt.get("dataset_manifest_sha256")
     provenance = {"dataset_manifest_sha256": trained_on,
-                  "parity_dataset_manifest_sha256": manifest_digest(args.dataset),
+                  "parity_dataset_manifest_sha256": dataset.manifest_sha256(),
                   "model_manifest_sha256": manifest_digest(args.model),
                   "checkpoint": CHECKPOINT}
     if trained_on and trained_on != provenance["parity_dataset_manifest_sha256"]:
-        print(f"convert: warning: {args.dataset} is not the dataset the model was trained on "
+        print(f"convert: warning: {dataset} is not the dataset the model was trained on "
               "(manifest digests differ); parity is still measured on it", file=sys.stderr)
-    return Inputs(ckpt, config, net, meta, groups, source, reference, provenance)
+    return Inputs(ckpt, config, net, meta, groups, source, reference, provenance,
+                  dataset.moved_note())
 
 
 def export_all(out: Path, inputs: Inputs, requested: int) -> int:
@@ -567,7 +570,7 @@ def convert(args: argparse.Namespace) -> int:
     print(f"convert: {ONNX_FILE} (opset {opset}) and {PT2_FILE} in {args.exported}; "
           f"max |logit diff| {fig['max_abs_diff']:.2g} (relative {fig['rel_diff']:.2g}), "
           f"argmax agreement {100 * fig['argmax_agreement']:.4f}%, "
-          f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+          f"{time.perf_counter() - start:.1f} s{inputs.moved}", file=sys.stderr)
     return 0
 
 

@@ -34,16 +34,20 @@ along y and W along x.
 """
 from __future__ import annotations
 
+import functools
+import shutil
+import tempfile
 import warnings
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from steps import schemas
-from steps.artifacts import inside, require
+from steps import bykey, schemas
+from steps.artifacts import MANIFEST, inside, manifest_digest, require
 from steps.errors import StepError
 from steps.params import N_FOLDS
 
@@ -80,13 +84,68 @@ def kfold_split(names: list[str], n_splits: int = N_FOLDS,
     return folds
 
 
-@dataclass
 class Case:
-    """One preprocessed case: ``image`` (C, D, H, W) and ``label`` (D, H, W), memory-mapped."""
-    name: str
-    image: np.ndarray
-    label: np.ndarray
-    spacing: tuple[float, float, float]
+    """One preprocessed case: ``image`` (C, D, H, W) and ``label`` (D, H, W), memory-mapped.
+
+    ``open_cases`` opens both when either is first used (a case read by key is fetched then);
+    ``shape`` is the image's (C, D, H, W) as ``dataset.json`` states it, known before that.
+    """
+
+    def __init__(self, name: str, image: np.ndarray | None = None,
+                 label: np.ndarray | None = None, spacing=(1.0, 1.0, 1.0),
+                 shape: Sequence[int] | None = None,
+                 opener: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None):
+        self.name, self.spacing = name, tuple(spacing)
+        self._arrays = None if opener else (image, label)
+        self._opener = opener
+        self.shape = tuple(shape) if shape is not None else tuple(image.shape)
+
+    def open(self) -> tuple[np.ndarray, np.ndarray]:
+        """(image, label), opened and checked the first time."""
+        if self._arrays is None:
+            self._arrays = self._opener()
+        return self._arrays
+
+    @property
+    def image(self) -> np.ndarray:
+        return self.open()[0]
+
+    @property
+    def label(self) -> np.ndarray:
+        return self.open()[1]
+
+
+@dataclass
+class Source:
+    """Where a step reads the ``dataset`` artifact: its directory (``remote`` None), or the
+    scratch folder that the files it uses are fetched into, each when first opened, from the
+    S3 prefix the artifact was saved at (``steps.bykey``)."""
+    root: Path
+    remote: bykey.Remote | None = None
+    fetched: set[str] = field(default_factory=set)
+
+    def __str__(self) -> str:
+        return self.remote.uri if self.remote is not None else str(self.root)
+
+    def path(self, rel: Any, where: str) -> Path:
+        """The file ``rel`` of the artifact, inside it (read by key: fetched and checked
+        against the manifest the first time)."""
+        path = inside(self.root, rel, where)
+        if self.remote is not None and rel not in self.fetched:
+            if rel not in self.remote.files:
+                raise StepError(f"{where}: {rel!r} is not listed in its {MANIFEST}")
+            self.remote.fetch(rel, path)
+            self.fetched.add(rel)
+        return path
+
+    def manifest_sha256(self) -> str:
+        return self.remote.manifest_sha256 if self.remote is not None else \
+            manifest_digest(self.root)
+
+    def moved_note(self) -> str:
+        """``, <n> bytes of dataset fetched by key`` (``bykey.FETCHED``), or nothing."""
+        return "" if self.remote is None else ", " + bykey.fetched_note(self.remote,
+                                                                         sorted(self.fetched))
 
 
 def read_metadata(dataset_dir: Path | str, check_hashes: bool = True) -> dict[str, Any]:
@@ -97,6 +156,28 @@ def read_metadata(dataset_dir: Path | str, check_hashes: bool = True) -> dict[st
     meta = schemas.read_json(dataset_dir / DATASET_JSON, where)
     check_metadata(meta, where)
     return meta
+
+
+@contextmanager
+def read_dataset(location: Path | str, beside: Path) -> Iterator[tuple[Source, dict[str, Any]]]:
+    """(the :class:`Source`, the checked ``dataset.json``) of the artifact at ``location``: a
+    directory, verified whole (``read_metadata``), or an S3 prefix (``--dataset
+    s3://BUCKET/PREFIX``), read by key: its manifest, its ``dataset.json``, then only the
+    cases the step opens, into a scratch folder made in ``beside`` (the output's parent) and
+    removed on the way out, on error and SIGTERM too."""
+    if not bykey.is_remote(location):
+        yield Source(Path(location)), read_metadata(location)
+        return
+    beside.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".dataset-by-key-", dir=beside))
+    try:
+        source = Source(scratch, bykey.open_remote(str(location), "dataset"))
+        where = f"artifact 'dataset' at {location}: {DATASET_JSON}"
+        meta = schemas.read_json(source.path(DATASET_JSON, where), where)
+        check_metadata(meta, where)
+        yield source, meta
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def check_metadata(meta: Any, where: str) -> None:
@@ -120,41 +201,52 @@ def _load(path: Path, where: str) -> np.ndarray:
         raise StepError(f"{where}: {path.name} is not a readable .npy array ({exc})") from None
 
 
-def open_cases(dataset_dir: Path | str, meta: dict[str, Any],
+def open_cases(dataset: Source | Path | str, meta: dict[str, Any],
                names: list[str] | None = None) -> list[Case]:
-    """Memory-map the cases called ``names`` (all cases when None), in that order.
-
-    Each array's path stays inside the artifact, and its dtype and shape are what
-    ``dataset.json`` says: image (C, D, H, W) of ``image_dtype``, label (D, H, W) uint8.
-    """
-    dataset_dir = Path(dataset_dir)
+    """The cases called ``names`` (all cases when None), in that order: a directory's mapped
+    at once, a prefix's each fetched and mapped when first used (:func:`open_pair`)."""
+    source = dataset if isinstance(dataset, Source) else Source(Path(dataset))
     by_name = {case["name"]: case for case in meta["cases"]}
-    selected = list(by_name) if names is None else names
-    channels = len(meta["channels"])
     cases = []
-    for name in selected:
-        where = f"artifact 'dataset' at {dataset_dir}: case '{name}'"
+    for name in (list(by_name) if names is None else names):
         if name not in by_name:
-            raise StepError(f"{where} is not in {DATASET_JSON}")
+            raise StepError(f"artifact 'dataset' at {source}: case '{name}' is not in "
+                            f"{DATASET_JSON}")
         entry = by_name[name]
-        image = _load(inside(dataset_dir, entry["image"], where), where)
-        label = _load(inside(dataset_dir, entry["label"], where), where)
-        if (image.dtype != np.dtype(meta.get("image_dtype", image.dtype)) or image.ndim != 4
-                or image.shape[0] != channels or label.dtype != np.uint8
-                or label.shape != image.shape[1:] or 0 in image.shape):
-            raise StepError(f"{where}: image {image.dtype} {list(image.shape)} and label "
-                            f"{label.dtype} {list(label.shape)} are not (C={channels}, D, H, W) "
-                            f"{meta.get('image_dtype')} and (D, H, W) uint8")
-        # preprocess pads every case in-plane to at least patch_size, which train has checked
-        # against the network's depth; a smaller slice could reach a 1x1 deepest level, where
-        # instance norm has nothing to normalise (torch refuses it even in eval).
-        if any(got < want for got, want in zip(image.shape[2:], meta["patch_size"])):
-            raise StepError(f"{where}: slices of {image.shape[2]}x{image.shape[3]} are smaller "
-                            f"than patch_size {meta['patch_size'][0]}x{meta['patch_size'][1]}, "
-                            "to which preprocess pads every case")
-        cases.append(Case(name=name, image=image, label=label,
-                          spacing=tuple(entry["spacing"])))
+        case = Case(name, spacing=entry["spacing"], shape=entry["shape"],
+                    opener=functools.partial(open_pair, source, meta, entry))
+        if source.remote is None:
+            case.open()               # a directory's cases are mapped, and checked, at once
+        cases.append(case)
     return cases
+
+
+def open_pair(source: Source, meta: dict[str, Any],
+              entry: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Memory-map one case's image and label. Each path stays inside the artifact, and each
+    array's dtype and shape are what ``dataset.json`` says: image (C, D, H, W) of
+    ``image_dtype``, label (D, H, W) uint8."""
+    where = f"artifact 'dataset' at {source}: case '{entry['name']}'"
+    image = _load(source.path(entry["image"], where), where)
+    label = _load(source.path(entry["label"], where), where)
+    channels = len(meta["channels"])
+    if (image.dtype != np.dtype(meta.get("image_dtype", image.dtype)) or image.ndim != 4
+            or image.shape[0] != channels or label.dtype != np.uint8
+            or label.shape != image.shape[1:] or 0 in image.shape):
+        raise StepError(f"{where}: image {image.dtype} {list(image.shape)} and label "
+                        f"{label.dtype} {list(label.shape)} are not (C={channels}, D, H, W) "
+                        f"{meta.get('image_dtype')} and (D, H, W) uint8")
+    # preprocess pads every case in-plane to at least patch_size, which train has checked
+    # against the network's depth; a smaller slice could reach a 1x1 deepest level, where
+    # instance norm has nothing to normalise (torch refuses it even in eval).
+    if any(got < want for got, want in zip(image.shape[2:], meta["patch_size"])):
+        raise StepError(f"{where}: slices of {image.shape[2]}x{image.shape[3]} are smaller "
+                        f"than patch_size {meta['patch_size'][0]}x{meta['patch_size'][1]}, "
+                        "to which preprocess pads every case")
+    if list(image.shape) != list(entry["shape"]):
+        raise StepError(f"{where}: image of shape {list(image.shape)}, {DATASET_JSON} says "
+                        f"{list(entry['shape'])}")
+    return image, label
 
 
 def check_values(cases: list[Case], n_classes: int) -> None:

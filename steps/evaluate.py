@@ -43,7 +43,7 @@ from monai.inferers import sliding_window_inference
 
 from steps import limits, metrics, params, predict, schemas
 from steps.artifacts import check_disjoint, manifest_digest, publish, require, write_outputs
-from steps.dataset import fold_names, open_cases, read_metadata
+from steps.dataset import Source, fold_names, open_cases, read_dataset
 from steps.errors import OneLineArgumentParser, StepError, run_main
 from steps.report import plot_overlays
 
@@ -370,20 +370,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+def evaluate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """(the result, what a dataset read by key fetched: only the fold's held-out cases)."""
     folders = [args.exported, *args.with_exported]
     check_disjoint({"--evaluation": args.evaluation},
                    {"--dataset": args.dataset, **{f"--exported {e}": e for e in folders}})
-    meta = read_metadata(args.dataset)
+    with read_dataset(args.dataset, args.evaluation.parent) as (dataset, meta):
+        return evaluate_fold(args, folders, dataset, meta), dataset.moved_note()
+
+
+def evaluate_fold(args: argparse.Namespace, folders: list[Path], dataset: Source,
+                  meta: dict[str, Any]) -> dict[str, Any]:
+    """Segment the held-out cases of the models' fold, score them and publish
+    ``evaluation``; the result."""
     labels = dict(meta["labels"])
     sessions, models, multiple = open_models(folders, labels)
     fold = held_out(folders, models, args.fold)
     _, names = fold_names(meta, fold)
     if not names:
-        raise StepError(f"artifact 'dataset' at {args.dataset}: fold {fold} has no held-out case")
+        raise StepError(f"artifact 'dataset' at {dataset}: fold {fold} has no held-out case")
     size = window(meta["patch_size"], multiple)
     slices, per_case = RegionSlices(), {}
-    for case in open_cases(args.dataset, meta, names):
+    for case in open_cases(dataset, meta, names):
         prediction = segment(sessions, case.image, size, len(labels), args.overlap,
                              args.mirroring)
         truth = np.asarray(case.label)
@@ -394,7 +402,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         slices.add(case.name, case.image, truth, prediction)
     inference = {"window": list(size), "overlap": args.overlap, "blend": "gaussian, sigma 1/8",
                  "mirroring": args.mirroring}
-    result = summary(per_case, fold, inference, models, manifest_digest(args.dataset))
+    result = summary(per_case, fold, inference, models, dataset.manifest_sha256())
     recorded = {"fold": fold, "overlap": args.overlap, "mirroring": args.mirroring}
     with publish(args.evaluation, "evaluation", STEP, recorded) as out:
         (out / RESULT_FILE).write_text(json.dumps(result, indent=1) + "\n")
@@ -411,11 +419,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     limits.set_threads()
     start = time.perf_counter()
-    result = evaluate(args)
+    result, moved = evaluate(args)
     dice = result["mean"]["dice"]
     print(f"evaluate: fold {result['fold']}, {len(result['cases'])} cases, Dice WT "
           f"{dice['WT']:.4f} TC {dice['TC']:.4f} ET {dice['ET']:.4f}, "
-          f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+          f"{time.perf_counter() - start:.1f} s{moved}", file=sys.stderr)
     return 0
 
 

@@ -309,15 +309,17 @@ IO = {
         reads={"model": "best.pt from steps.train",
                "dataset": "its validation slices are the parity inputs and its dataset.json "
                           "the normalisation contract"},
-        writes="exported", outputs=("max_abs_diff", "argmax_agreement"), release=""),
+        writes="exported", outputs=("max_abs_diff", "argmax_agreement"), release="",
+        by_key=("dataset",)),
     "quantize": StepIO(
         reads={"exported": "unet2d.onnx and its model card from steps.convert",
                "dataset": "training-fold slices calibrate, validation volumes gate"},
-        writes="quantized", outputs=("int8_mean_dice", "int8_speedup"), release="/int8"),
+        writes="quantized", outputs=("int8_mean_dice", "int8_speedup"), release="/int8",
+        by_key=("dataset",)),
     "evaluate": StepIO(
         reads={"exported": "unet2d.onnx and its model card (the fold it held out)",
                "dataset": "the held-out cases of the model's fold, whole, and their spacing"},
-        writes="evaluation", outputs=("dice_wt", "dice_tc", "dice_et")),
+        writes="evaluation", outputs=("dice_wt", "dice_tc", "dice_et"), by_key=("dataset",)),
 }
 
 

@@ -51,7 +51,7 @@ from onnxruntime.quantization.shape_inference import quant_pre_process
 
 from steps import limits, params, predict
 from steps.artifacts import check_disjoint, publish, require, write_outputs
-from steps.dataset import Case, fold_names, open_cases, read_metadata
+from steps.dataset import Case, Source, fold_names, open_cases, read_dataset
 from steps.errors import StepError, run_main
 from steps.losses import dice_per_class
 from steps.sampler import pad_crop_2d
@@ -103,7 +103,7 @@ def patch_window(image: np.ndarray, patch: tuple[int, int]) -> np.ndarray:
 def calibration_set(cases: list[Case], n: int, seed: int,
                     patch: tuple[int, int]) -> Calibration:
     """``n`` slices drawn without replacement by a seeded generator over all slices."""
-    every = [(ci, d) for ci, case in enumerate(cases) for d in range(case.image.shape[1])]
+    every = [(ci, d) for ci, case in enumerate(cases) for d in range(case.shape[1])]
     if len(every) < n:
         raise StepError(f"--calibration-slices {n}: the training fold has only {len(every)} "
                         "slices")
@@ -354,23 +354,32 @@ def openvino_ir(fp32: Path, out: Path, calibration: Calibration, keep: list[str]
 
 # ------------------------------------------------------------------------------- main
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """(the gate's figures, what a dataset read by key fetched: only the cases of the
+    calibration slices and of the gate)."""
     check_disjoint({"--quantized": args.quantized}, {"--exported": args.exported,
                                                      "--dataset": args.dataset})
     require(args.exported, "exported")
     card = predict.read_card(args.exported)
-    meta = read_metadata(args.dataset)
+    with read_dataset(args.dataset, args.quantized.parent) as (dataset, meta):
+        return quantize_and_gate(args, card, dataset, meta), dataset.moved_note()
+
+
+def quantize_and_gate(args: argparse.Namespace, card: dict[str, Any], dataset: Source,
+                      meta: dict[str, Any]) -> dict[str, Any]:
+    """Calibrate on the model's training fold, quantize, gate on its validation cases and
+    publish ``quantized``; the gate's figures."""
     fold = card.get("training", {}).get("config", {}).get("fold", 0)   # checked by read_card
     train_names, val_names = fold_names(meta, fold)
     if not train_names or not val_names:
-        raise StepError(f"artifact 'dataset' at {args.dataset}: fold {fold} of the model needs "
+        raise StepError(f"artifact 'dataset' at {dataset}: fold {fold} of the model needs "
                         "training cases to calibrate on and validation cases to gate on")
     multiple, n_classes = card["size_multiple"], len(meta["labels"])
     patch = tuple(meta["patch_size"])
     if any(side % multiple for side in patch):
-        raise StepError(f"artifact 'dataset' at {args.dataset}: patch_size {list(patch)} is not "
+        raise StepError(f"artifact 'dataset' at {dataset}: patch_size {list(patch)} is not "
                         f"a multiple of the model's {multiple}")
-    calibration = calibration_set(open_cases(args.dataset, meta, train_names),
+    calibration = calibration_set(open_cases(dataset, meta, train_names),
                                   args.calibration_slices, args.calibration_seed, patch)
     recorded = {p.name: getattr(args, p.name) for p in params.QUANTIZE}
     fp32 = predict.open_session(args.exported / FP32_FILE)   # its graph checked before use
@@ -384,7 +393,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                kept)
         if openvino is not None and openvino[0] is not None:
             sessions["openvino_int8"] = OpenVINOSession(openvino[0])
-        figures = gate(sessions, open_cases(args.dataset, meta,
+        figures = gate(sessions, open_cases(dataset, meta,
                                             gate_subset(val_names, args.gate_cases)),
                        multiple, n_classes)
         bounds = gate_bounds(args)
@@ -422,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     limits.set_threads()
     start = time.perf_counter()
-    figures = run(args)
+    figures, moved = run(args)
     line = f"quantize: {args.quantized}: mean Dice FP32 {100 * figures['fp32']['mean_dice']:.2f}"
     slower = []
     for name, label in (("int8", "INT8 onnxruntime"), ("openvino_int8", "INT8 OpenVINO")):
@@ -431,8 +440,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             line += (f"; {label} {100 * f['mean_dice']:.2f}, agreement "
                      f"{100 * f['agreement_in_foreground']:.3f} %, {f['speedup']:.2f}x")
             slower += [label] * f["slower_than_fp32"]
-    print(f"{line} (speed against FP32 onnxruntime), {time.perf_counter() - start:.1f} s",
-          file=sys.stderr)
+    print(f"{line} (speed against FP32 onnxruntime), {time.perf_counter() - start:.1f} s"
+          f"{moved}", file=sys.stderr)
     if slower:   # int8-speedup < 1 is a fact of this CPU and this network's size, not a fault
         print(f"quantize: {' and '.join(slower)} ran slower than FP32 on this CPU "
               f"({figures['speed_measured_on']}, {limits.threads()} thread(s)); small networks "

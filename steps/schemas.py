@@ -200,6 +200,7 @@ class DatasetCase(Schema):
     label: str
     spacing: list[Annotated[float, Field(gt=0, allow_inf_nan=False)]] = \
         Field(min_length=3, max_length=3)
+    shape: list[Side] = Field(min_length=4, max_length=4)     # the image's (C, D, H, W)
 
 
 class Split(Schema):

@@ -145,8 +145,9 @@ def test_dag_wiring_and_artifacts():
     assert tasks["train"]["depends"] == "preprocess"
     assert tasks["convert"]["depends"] == "train"
     froms = {a["name"]: a["from"] for a in tasks["convert"]["arguments"]["artifacts"]}
-    assert froms == {"model": "{{tasks.train.outputs.artifacts.model}}",
-                     "dataset": "{{tasks.preprocess.outputs.artifacts.dataset}}"}
+    assert froms == {"model": "{{tasks.train.outputs.artifacts.model}}"}
+    froms = {a["name"]: a["from"] for a in tasks["train"]["arguments"]["artifacts"]}
+    assert froms == {"dataset": "{{tasks.preprocess.outputs.artifacts.dataset}}"}
     for name, art in (("download", "raw"), ("preprocess", "dataset"), ("train", "model"),
                       ("convert", "exported")):
         outs = {a["name"]: a for a in t[name]["outputs"]["artifacts"]}
@@ -187,7 +188,9 @@ def test_preprocess_reads_raw_by_key_from_the_uri_download_hands_on():
 def test_preprocess_saves_its_dataset_at_the_key_its_output_is_saved_at(variant):
     """``--dataset-uri`` is the bucket and the very key of preprocess's output artifact
     (both rendered with the pod's name), so the executor adds the manifest beside the cases
-    the step saved; its readers take the artifact as before, whole."""
+    the step saved. Train takes the artifact whole; convert, quantize and evaluate take that
+    key's URI as ``dataset-uri`` and fetch the cases they use (``steps.dataset.read_dataset``),
+    and preprocess's memo entries are apart from the older ones, which lack the parameter."""
     t = _templates(_doc(*variant))
     preprocess = t["preprocess"]
     out = {a["name"]: a for a in preprocess["outputs"]["artifacts"]}["dataset"]
@@ -199,7 +202,39 @@ def test_preprocess_saves_its_dataset_at_the_key_its_output_is_saved_at(variant)
     readers = [name for name, task in tasks.items() if any(
         a.get("from") == "{{tasks.preprocess.outputs.artifacts.dataset}}"
         for a in (task.get("arguments") or {}).get("artifacts") or [])]
-    assert {"train", "convert", "quantize"} <= {r.split("-")[0] for r in readers}
+    assert {r.split("-")[0] for r in readers} == ({"train", "ensemble"} if variant else
+                                                 {"train"})
+    uri = {p["name"]: p for p in preprocess["outputs"]["parameters"]}["dataset-uri"]
+    assert uri["valueFrom"]["default"] == f"s3://unet-artifacts/{out['s3']['key']}"
+    assert preprocess["memoize"]["key"].startswith("preprocess-uri-")
+    by_key = {name: task for name, task in tasks.items() if any(
+        p["value"] == "{{tasks.preprocess.outputs.parameters.dataset-uri}}"
+        for p in task["arguments"].get("parameters") or [])}
+    assert {"convert", "quantize"} <= {name.split("-")[0] for name in by_key}
+    if variant:
+        assert {name.split("-")[0] for name in by_key} == {"convert", "evaluate", "quantize"}
+    for name, task in by_key.items():
+        template = t[task["template"]]
+        args = template["container"]["args"]
+        assert args[args.index("--dataset") + 1] == "{{inputs.parameters.dataset-uri}}"
+        assert "AWS_SECRET_ACCESS_KEY" in {e["name"] for e in template["container"]["env"]}
+        assert "dataset" not in {a["name"] for a in template["inputs"].get("artifacts") or []}
+
+
+@pytest.mark.parametrize("variant", [(), FOLDS, ("resources.train.nodes=2",)])
+def test_every_task_supplies_its_templates_inputs(variant):
+    """Each DAG task passes every input its template declares without a value (or, for an
+    artifact, a location of its own): Argo refuses one that is missing only when the task
+    runs."""
+    t = _templates(_doc(*variant))
+    for task in t["pipeline"]["dag"]["tasks"]:
+        given = task.get("arguments") or {}
+        declared = t[task["template"]].get("inputs") or {}
+        for kind in ("parameters", "artifacts"):
+            needed = {x["name"] for x in declared.get(kind) or []
+                      if not {"value", "default", "optional", "s3", "raw", "http"} & set(x)}
+            supplied = {x["name"] for x in given.get(kind) or []}
+            assert needed <= supplied, (task["name"], kind, sorted(needed - supplied))
 
 
 def test_folds_fan_out_after_preprocess_and_join_in_the_ensemble_and_the_pool():

@@ -55,10 +55,15 @@ class _Wiring:
         self.before: dict[str, set[str]] = {}    # step -> the steps it follows
 
     def inputs(self, step: str) -> list:
-        """Each input artifact from its writer's task; one read by key as its URI parameter."""
-        io = params.IO[step]
-        return [self.last[self.writer[a]].get_parameter(t.uri_parameter(a)) if a in io.by_key
-                else self.last[self.writer[a]].get_artifact(a) for a in io.reads]
+        """Each input artifact from its writer's task (:meth:`input`)."""
+        return [self.input(step, a) for a in params.IO[step].reads]
+
+    def input(self, step: str, artifact: str):
+        """``step``'s input ``artifact`` from its writer's task; read by key, as its URI
+        parameter."""
+        writer = self.last[self.writer[artifact]]
+        return writer.get_parameter(t.uri_parameter(artifact)) \
+            if artifact in params.IO[step].by_key else writer.get_artifact(artifact)
 
     @classmethod
     def after(cls, shared: "_Wiring") -> "_Wiring":
@@ -169,7 +174,8 @@ def _folds(wf, cfg: Config, templates: dict, tags: dict, shared: _Wiring) -> Non
     if cfg.quantizes:
         quantize = Task(name="quantize", template=templates["quantize"], when=WHEN["quantize"],
                         arguments=t.task_params(wf, cfg, "quantize") + [tags["data"]] + [
-                            ensemble.get_artifact("exported"), dataset])
+                            ensemble.get_artifact("exported"),
+                            shared.input("quantize", "dataset")])
         ensemble >> quantize
 
 
