@@ -107,14 +107,19 @@ def test_smoke_runs_the_scale_sizes(tmp_path, monkeypatch):
         for step in steps.values():
             assert step["cpu_s"] > 0 and step["peak_rss_bytes"] > 50e6, step
             assert 0 < step["peak_anon_bytes"] <= step["peak_rss_bytes"], step
-            copied = step["s3_read_bytes"] - step["s3_read_by_key_bytes"]
-            assert step["peak_disk_bytes"] >= max(copied, step["s3_written_bytes"]) * 0.9, step
+            # what the runner copied in and out whole sat in the step's folder
+            copied = max(step["s3_read_bytes"] - step["s3_read_by_key_bytes"],
+                         step["s3_written_bytes"] - step["s3_saved_by_key_bytes"])
+            assert step["peak_disk_bytes"] >= copied * 0.9, step
             assert 0 < step["wall_s"] <= step["node_s"] < point["wall_s"]
         # preprocess reads raw by key: its training cases, not the test images
         read = steps["preprocess"]["s3_read_by_key_bytes"]
         assert read == steps["preprocess"]["s3_read_bytes"]
         assert 0 < read < steps["download"]["s3_written_bytes"]
         assert steps["convert"]["s3_read_bytes"] > steps["train"]["s3_written_bytes"]
+        for step in ("convert", "quantize"):      # ... and so do these the dataset
+            assert 0 < steps[step]["s3_read_by_key_bytes"] <= \
+                steps["preprocess"]["s3_written_bytes"], step
     big, small = points[1]["steps"]["download"], points[0]["steps"]["download"]
     assert big["s3_written_bytes"] > small["s3_written_bytes"]
     assert sorted(p.name for p in (tmp_path / "tars").iterdir()) == [

@@ -180,7 +180,7 @@ def growth(points: list[dict]) -> dict:
         rows[step].update({f"{key}_ratio": b.get(key, 0) / a[key] for key in
                            ("memory_peak_bytes", "anon_peak_bytes", "disk_peak_bytes")
                            if a.get(key)})
-        held = max(b["s3_read_bytes"] - b.get("s3_read_by_key_bytes", 0), b["s3_written_bytes"])
+        held = max(b["s3_read_bytes"], b["s3_written_bytes"])     # read: copied or by key
         rows[step]["disk_peak_vs_largest_artifact"] = b.get("disk_peak_bytes", 0) / held
     return rows
 
