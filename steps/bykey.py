@@ -37,16 +37,19 @@ SCHEME = "s3://"
 T = TypeVar("T")
 
 
-# "<n> bytes of <artifact> fetched by key" ("saved by key"): how a step that read an input (wrote
-# its output) by key says what it moved (in its last line); the scale benchmarks count it as the
-# step's S3 reads (writes).
-FETCHED = re.compile(r"(\d+) bytes of ([\w-]+) fetched by key")
+# "<n> bytes of <artifact> fetched by key[ in <s> s]" ("saved by key"): how a step that read an
+# input (wrote its output) by key says what it moved (in its last line); the scale benchmarks
+# count it as the step's S3 reads (writes), and the seconds, given where the step waited for
+# its fetches, as time outside its compute.
+FETCHED = re.compile(r"(\d+) bytes of ([\w-]+) fetched by key(?: in (\d+(?:\.\d+)?) s)?")
 SAVED = re.compile(r"(\d+) bytes of ([\w-]+) saved by key")
 
 
-def fetched_note(remote: "Remote", rels) -> str:
-    """The words of :data:`FETCHED` for the files ``rels`` fetched from ``remote``."""
-    return f"{remote.bytes_of(rels)} bytes of {remote.artifact} fetched by key"
+def fetched_note(remote: "Remote", rels, seconds: float | None = None) -> str:
+    """The words of :data:`FETCHED` for the files ``rels`` fetched from ``remote``, and the
+    ``seconds`` the step waited for them when it did nothing else meanwhile."""
+    waited = "" if seconds is None else f" in {seconds:.2f} s"
+    return f"{remote.bytes_of(rels)} bytes of {remote.artifact} fetched by key{waited}"
 
 
 def saved_note(saver: "Saver") -> str:
@@ -57,6 +60,11 @@ def saved_note(saver: "Saver") -> str:
 def fetched_bytes(log: str, said=FETCHED) -> dict[str, int]:
     """Artifact -> the bytes a step's log says it fetched by key (``said=SAVED``: saved)."""
     return {m.group(2): int(m.group(1)) for m in said.finditer(log)}
+
+
+def fetch_seconds(log: str) -> float:
+    """The seconds a step's log says it waited for its fetches by key (0 where it says none)."""
+    return sum(float(m.group(3) or 0) for m in FETCHED.finditer(log))
 
 
 def is_remote(location: Path | str) -> bool:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import shutil
 import tempfile
+import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -123,6 +124,7 @@ class Source:
     root: Path
     remote: bykey.Remote | None = None
     fetched: set[str] = field(default_factory=set)
+    seconds: float = 0.0            # spent fetching (the step waits for each fetch)
 
     def __str__(self) -> str:
         return self.remote.uri if self.remote is not None else str(self.root)
@@ -134,7 +136,9 @@ class Source:
         if self.remote is not None and rel not in self.fetched:
             if rel not in self.remote.files:
                 raise StepError(f"{where}: {rel!r} is not listed in its {MANIFEST}")
+            start = time.perf_counter()
             self.remote.fetch(rel, path)
+            self.seconds += time.perf_counter() - start
             self.fetched.add(rel)
         return path
 
@@ -143,9 +147,10 @@ class Source:
             manifest_digest(self.root)
 
     def moved_note(self) -> str:
-        """``, <n> bytes of dataset fetched by key`` (``bykey.FETCHED``), or nothing."""
-        return "" if self.remote is None else ", " + bykey.fetched_note(self.remote,
-                                                                         sorted(self.fetched))
+        """``, <n> bytes of dataset fetched by key in <s> s`` (``bykey.FETCHED``), or
+        nothing."""
+        return "" if self.remote is None else ", " + bykey.fetched_note(
+            self.remote, sorted(self.fetched), self.seconds)
 
 
 def read_metadata(dataset_dir: Path | str, check_hashes: bool = True) -> dict[str, Any]:

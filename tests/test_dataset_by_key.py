@@ -73,6 +73,8 @@ def test_convert_by_key_gives_the_same_parity_from_the_validation_cases(made, da
     _, val = fold_names(read_metadata(made / "dataset"), 0)
     used = set(val) | set(local["source"]["training_cases"])
     assert fetched(done.stderr) == case_bytes(made / "dataset", used)
+    waited = re.search(r"fetched by key in (\d+\.\d\d) s$", done.stderr.strip())
+    assert waited and float(waited.group(1)) == bykey.fetch_seconds(done.stderr) < 60
     no_scratch(tmp_path)
 
 

@@ -145,16 +145,20 @@ def run_size(argo, store, total: int) -> dict:
                        "s3_read_bytes": sum(written[t][a] for t, a in inputs_of(doc)[task])
                        + by_key, "s3_read_by_key_bytes": by_key,
                        "s3_saved_by_key_bytes": sum(bykey.fetched_bytes(log, bykey.SAVED)
-                                                    .values())}
+                                                    .values()),
+                       "fetch_in_main_s": bykey.fetch_seconds(log)}
     time.sleep(30)       # the kubelet tears a pod's volumes down when it ends
     left = sum(empty_dir_bytes(pod["metadata"]["uid"]) for pod in pods.values())
     main = sum(row["main_s"] for row in steps.values())
+    fetching = sum(row["fetch_in_main_s"] for row in steps.values())
     return {"cases": total, "training": train, "test": test, "workflow": name,
             "tar_bytes": tar.stat().st_size, "tar_md5": md5, "tar_bytes_served": served,
             "wall_s": wall, "left_on_node_bytes": left, "overrides": overrides[1:],
             # issue 47: what is not a step's own work (pod starts, artifact transfers, the
-            # controller between steps) at most 0.2 of the run at full size
-            "outside_main_share": 1 - main / wall, "steps": steps}
+            # controller between steps) at most 0.2 of the run at full size; the second share
+            # also counts the fetches by key that a main container waited for
+            "outside_main_share": 1 - main / wall,
+            "outside_compute_share": 1 - (main - fetching) / wall, "steps": steps}
 
 
 GROWN = ("main_s", "init_s", "wait_after_main_s", "load_s", "save_s", "s3_written_bytes",
