@@ -128,18 +128,26 @@ def _point(result: RunResult, workflow: dict, objects: dict) -> dict:
     steps = {}
     for node in result.nodes:
         log = Path(node.log_path).read_text(errors="replace")
-        by_key = sum(bykey.fetched_bytes(log).values())
-        read = sum(written[task][name] for task, name in inputs_of(workflow)[node.task]) + by_key
         steps[node.task] = {"wall_s": node.step_seconds, "node_s": node.seconds,
                             "around_s": node.seconds - node.step_seconds,
                             "cpu_s": node.cpu_seconds, "peak_rss_bytes": node.max_rss_bytes,
                             "peak_anon_bytes": node.max_anon_bytes,
                             "peak_disk_bytes": node.max_disk_bytes,
-                            "s3_written_bytes": sum(written[node.task].values()),
-                            "s3_read_bytes": read, "s3_read_by_key_bytes": by_key,
-                            "s3_saved_by_key_bytes": sum(bykey.fetched_bytes(
-                                log, bykey.SAVED).values())}
+                            **s3_traffic(log, written, node.task, workflow)}
     return {"steps": steps}
+
+
+def s3_traffic(log: str, written: dict[str, dict[str, int]], task: str,
+               workflow: dict) -> dict:
+    """What step ``task`` moved through S3: its output artifacts' bytes (``written``: task ->
+    artifact -> bytes in the bucket), its inputs' as copied plus what its log says it fetched
+    by key, what it saved by key itself, and the seconds it says it waited for its fetches."""
+    by_key = sum(bykey.fetched_bytes(log).values())
+    return {"s3_written_bytes": sum(written[task].values()),
+            "s3_read_bytes": sum(written[t][a] for t, a in inputs_of(workflow)[task]) + by_key,
+            "s3_read_by_key_bytes": by_key,
+            "s3_saved_by_key_bytes": sum(bykey.fetched_bytes(log, bykey.SAVED).values()),
+            "fetch_in_main_s": bykey.fetch_seconds(log)}
 
 
 def slope(x0: float, y0: float, x1: float, y1: float) -> float:

@@ -42,11 +42,11 @@ import pytest
 from benchmarks.common import machine
 from benchmarks.fileserver import FileServer
 from benchmarks.orchestration import argo_breakdown
-from benchmarks.scale import FULL, OVERRIDES, STEPS, fitted, inputs_of, slope, split
+from benchmarks.scale import FULL, OVERRIDES, STEPS, fitted, s3_traffic, slope, split
 from real_cluster import (BUCKET, CONTROLLER_NAMESPACE, NAMESPACE, NODE_ANNOTATION, PodUsage,
                           argo_nodes, compiled, container_statuses, controller_pods,
                           empty_dir_bytes, fresh_source, kubectl, pods_of, until, wait)
-from steps import bykey, storage, synthetic
+from steps import synthetic
 from workflows.versions import setting
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.beyond_ci,
@@ -138,15 +138,9 @@ def run_size(argo, store, total: int) -> dict:
     steps = {}
     for task, pod in pods.items():
         log = kubectl("-n", NAMESPACE, "logs", pod["metadata"]["name"], "-c", "main")
-        by_key = sum(bykey.fetched_bytes(log).values())
         steps[task] = {**pod_times(pod), **transfer_times(pod),
                        **usage.usage.get(pod["metadata"]["uid"], {}),
-                       "s3_written_bytes": sum(written[task].values()),
-                       "s3_read_bytes": sum(written[t][a] for t, a in inputs_of(doc)[task])
-                       + by_key, "s3_read_by_key_bytes": by_key,
-                       "s3_saved_by_key_bytes": sum(bykey.fetched_bytes(log, bykey.SAVED)
-                                                    .values()),
-                       "fetch_in_main_s": bykey.fetch_seconds(log)}
+                       **s3_traffic(log, written, task, doc)}
     time.sleep(30)       # the kubelet tears a pod's volumes down when it ends
     left = sum(empty_dir_bytes(pod["metadata"]["uid"]) for pod in pods.values())
     main = sum(row["main_s"] for row in steps.values())
