@@ -607,13 +607,15 @@ class PodUsage(threading.Thread):
     in it), its anonymous memory (``memory.stat`` ``total_rss``, anonymous and swap cache: the
     largest of the samples), its CPU time (``cpuacct.usage``) and its emptyDirs' bytes on the
     node. By pod uid, the largest value each had; a pod's cgroup is gone soon after it ends,
-    so its last sample stands for its end."""
+    so its last sample stands for its end. ``node_free_min_bytes``: the least free space the
+    node's disk (the kubelet's nodefs, STATE's filesystem) had at any sample."""
 
     FIELDS = ("memory_peak_bytes", "anon_peak_bytes", "cpu_s", "disk_peak_bytes")
 
     def __init__(self, every: float = 0.5):
         super().__init__(daemon=True)
         self.every, self.usage = every, {}
+        self.node_free_min_bytes = shutil.disk_usage(STATE).free
         self.halt = threading.Event()
 
     def run(self) -> None:
@@ -624,6 +626,8 @@ class PodUsage(threading.Thread):
                 uids = []
             for uid in uids:
                 self.sample(uid)
+            self.node_free_min_bytes = min(self.node_free_min_bytes,
+                                           shutil.disk_usage(STATE).free)
             self.halt.wait(self.every)
 
     def sample(self, uid: str) -> None:
