@@ -188,7 +188,9 @@ TRAIN = (
     Param("batch_size", int, 64, ge=1, ui=True,
           help="global batch: 2D slices per step over all devices"),
     Param("val_batch_size", int, 64, ge=1,
-          help="slices per forward pass during validation, per device"),
+          help="slices per forward pass during validation, per device; fewer of slices "
+               "larger than patch_size, so that a pass holds at most this many patches' "
+               "pixels"),
     Param("learning_rate", float, 1e-3, gt=0, le=1, ui=True, help="peak learning rate"),
     Param("lr_schedule", str, "cosine", choices=LR_SCHEDULES,
           help="cosine: decay from learning_rate to 0 over the run; constant: learning_rate "

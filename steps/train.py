@@ -306,19 +306,35 @@ def static_shape(cases, multiple: int) -> tuple[int, int]:
             _round_up(max(case.image.shape[3] for case in cases), multiple))
 
 
+def slices_per_pass(batch: int, patch: tuple[int, int] | None,
+                    target: tuple[int, int]) -> int:
+    """Slices of ``target`` (H, W) in one validation forward pass: ``batch`` patches' worth
+    of pixels (what check_batch_memory sized), at least one and at most ``batch``. A pass's
+    activations grow with its pixels, so train's memory is set by its flags, not by the
+    largest slice a dataset happens to hold; ``patch`` None: ``batch`` slices."""
+    if patch is None:
+        return batch
+    return max(1, min(batch, batch * patch[0] * patch[1] // (target[0] * target[1])))
+
+
 @torch.no_grad()
 def predict_volume(forward, image: np.ndarray, info: devices.DeviceInfo, batch: int,
-                   multiple: int, shape: tuple[int, int] | None = None) -> torch.Tensor:
+                   multiple: int, shape: tuple[int, int] | None = None,
+                   patch: tuple[int, int] | None = None) -> torch.Tensor:
     """2D inference over every slice: image (C, D, H, W) → argmax labels (D, H, W) on CPU.
 
     With ``shape`` every forward pass is (batch, C, *shape): slices padded to it and the last
     batch filled up with background, as Habana's reference pads its validation (a new input
-    shape is a new graph compile on an HPU); without, slices are padded only to ``multiple``.
+    shape is a new graph compile on an HPU); without, slices are padded only to ``multiple``,
+    and a pass holds at most ``batch`` slices of ``patch`` (H, W) in pixels
+    (:func:`slices_per_pass`).
     """
     channels, depth, height, width = image.shape
     fill = torch.from_numpy(np.asarray(image[:, 0:1], dtype=np.float32)
                             .reshape(channels, -1).min(axis=1))
     target = shape or (_round_up(height, multiple), _round_up(width, multiple))
+    if shape is None:
+        batch = slices_per_pass(batch, patch, target)
     preds = []
     for start in range(0, depth, batch):
         x = torch.from_numpy(np.ascontiguousarray(
@@ -333,8 +349,8 @@ def predict_volume(forward, image: np.ndarray, info: devices.DeviceInfo, batch: 
 
 
 def evaluate(forward, cases, info, batch: int, multiple: int, n_classes: int,
-             rank: int, world: int,
-             shape: tuple[int, int] | None = None) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+             rank: int, world: int, shape: tuple[int, int] | None = None,
+             patch: tuple[int, int] | None = None) -> tuple[torch.Tensor, list[dict[str, Any]]]:
     """Mean per-class Dice over the validation volumes (shared out over ranks).
 
     Returns (n_classes - 1,) float64 Dice and, on rank 0, a few overlay samples.
@@ -344,7 +360,7 @@ def evaluate(forward, cases, info, batch: int, multiple: int, n_classes: int,
     samples = []
     for index in range(rank, len(cases), world):
         case = cases[index]
-        pred = predict_volume(forward, case.image, info, batch, multiple, shape)
+        pred = predict_volume(forward, case.image, info, batch, multiple, shape, patch)
         truth = torch.from_numpy(np.array(case.label))
         totals[:-1] += dice_per_class(pred, truth, n_classes)
         totals[-1] += 1
@@ -696,7 +712,8 @@ class Trainer:
         self.net.eval()
         dice, samples = evaluate(self.eval_forward, self.val_cases, self.info,
                                  self.args.val_batch_size, self.multiple, self.n_classes,
-                                 self.rank, self.world, self.val_shape)
+                                 self.rank, self.world, self.val_shape,
+                                 tuple(self.plan.meta["patch_size"]))
         self.net.train()
         classes = [str(c) for c in range(1, self.n_classes)]
         return ({"dice": {c: float(d) for c, d in zip(classes, dice)},
