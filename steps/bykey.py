@@ -26,7 +26,7 @@ import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Iterator, Sequence, TypeVar
 
 from steps import schemas, storage
@@ -132,14 +132,17 @@ class Saver:
     not yet saved: where the upload is slower than the work, the work waits, and the step's
     disk holds at most ``ahead`` items whatever the size of the artifact.
 
+    With ``keep`` the local files stay after their upload, for the step to check them whole
+    (the download validates its task against its files); :meth:`let_go` then removes them.
+
     Used as a context manager: the prefix must be empty on entry (another run's leftovers
     would pass for this one's files); on any error, SIGTERM's included, the queued uploads
     finish and then every object under the prefix is deleted, so nothing partial is left
     there."""
 
-    def __init__(self, uri: str, artifact: str):
+    def __init__(self, uri: str, artifact: str, keep: bool = False):
         storage.parse_uri(uri)
-        self.uri, self.artifact = uri.rstrip("/"), artifact
+        self.uri, self.artifact, self.keep = uri.rstrip("/"), artifact, keep
         self._room: threading.Semaphore | None = None
         self._ahead = 0
         self._closed = False
@@ -186,13 +189,27 @@ class Saver:
             entries.append({"path": rel, "size": path.stat().st_size,
                             "sha256": sha256_file(path)})
             storage.upload_file(path, f"{self.uri}/{rel}")
-            path.unlink()
+            if not self.keep:
+                path.unlink()
         return entries
 
     def saved(self) -> list[dict[str, Any]]:
         """The manifest entries of every file saved, once all are uploaded (the first
         upload's error is raised here)."""
         return [entry for future in self._pending for entry in future.result()]
+
+    def discard(self) -> None:
+        """Forget every file saved so far, once its upload has ended, and delete them from
+        S3: the step publishes them otherwise (kept local files), or saves them again."""
+        self.saved()
+        storage.delete_prefix(self.uri)
+        self._pending.clear()
+
+    def let_go(self, root: Path) -> None:
+        """Remove ``root/<path>`` of every file saved (kept until now, ``keep``), once all
+        are uploaded: what stays under ``root`` is the rest of the artifact."""
+        for entry in self.saved():
+            root.joinpath(*PurePosixPath(entry["path"]).parts).unlink()
 
     def bytes_saved(self) -> int:
         return sum(entry["size"] for entry in self.saved())

@@ -299,7 +299,7 @@ ARTIFACTS = {
 REPORT_FOLDER = "report"
 
 IO = {
-    "download": StepIO(reads={}, writes="raw"),
+    "download": StepIO(reads={}, writes="raw", saves_by_key=True),
     "preprocess": StepIO(
         reads={"raw": "MANIFEST.json and Task01_BrainTumour/ or one other task directory "
                       "with a dataset.json"},

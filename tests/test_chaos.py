@@ -467,8 +467,9 @@ def test_the_s3_server_down_while_artifacts_move_then_the_train_pod_deleted_lose
 
     1. the S3 Deployment stopped for S3_DOWN_S and started again (on its persistent volume)
        twice, each time while Argo's executor moves an artifact: download's upload of raw (its
-       wait container, once main has ended; preprocess's main reads raw from S3 itself since
-       2026-11-30, so an outage timed around its upload would meet its main), then train's
+       wait container, once main has ended: main saves by key only a tar's files, and this
+       source is generated; preprocess's main reads raw from S3 itself since 2026-11-30, so an
+       outage timed around its upload would meet its main), then train's
        load of the dataset (its init container). Each transfer waits the outage out (retried by minio-go, then by Argo's
        executor) and succeeds; the bucket's objects outlive both restarts.
     2. ``kubectl delete pod`` on the running train, once its first checkpoint is in S3, as an

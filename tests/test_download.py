@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from steps import download, synthetic
+from steps import bykey, download, synthetic
 from steps.artifacts import require
 from steps.errors import StepError
 
@@ -370,6 +370,110 @@ def test_s3_missing_key_cli_one_line(tmp_path, s3):
     assert_one_line_error(proc, s3.bucket)
     assert s3.secret_key not in proc.stderr
     assert_nothing_published(tmp_path / "raw")
+
+
+# ----------------------------------------------------------------------------- raw saved by key
+
+def _raw_uri(s3, tmp_path: Path) -> str:
+    """The key Argo gives download's output (workflows.templates.artifact_key)."""
+    return f"s3://{s3.bucket}/{tmp_path.name}/download-pod/raw"
+
+
+def _objects(uri: str) -> dict[str, str]:
+    """Path under the prefix ``uri`` -> sha256 of the object."""
+    from steps import storage
+    bucket, key = storage.parse_uri(uri)
+    client = storage.client_for(uri)
+    return {full[len(key) + 1:]: hashlib.sha256(client.get_object(
+                Bucket=bucket, Key=full)["Body"].read()).hexdigest()
+            for full in storage.list_keys(uri)}
+
+
+@pytest.mark.s3
+def test_an_http_tar_is_saved_by_key_as_it_is_extracted(tmp_path, http_server, msd_tar,
+                                                        s3_env):
+    """With --raw-uri every case file goes to S3 at its path in the artifact, and leaves
+    --raw once the task is validated; --raw keeps dataset.json for the executor, and the
+    manifest lists the whole: each file either there or under the prefix, never both, each
+    with its sha256. The summary line says the bytes saved."""
+    raw, uri = tmp_path / "raw", _raw_uri(s3_env, tmp_path)
+    proc = run_cli("--source", f"{http_server.url}/data/msd.tar", "--raw", str(raw),
+                   "--raw-uri", uri, "--md5", md5_of(msd_tar), env=s3_env.env())
+    assert proc.returncode == 0, proc.stderr
+    manifest = {e["path"]: e for e in json.loads((raw / "MANIFEST.json").read_text())["files"]}
+    local = {p.relative_to(raw).as_posix() for p in raw.rglob("*") if p.is_file()}
+    assert local == {"MANIFEST.json", f"{TASK}/dataset.json"}
+    saved = _objects(uri)
+    assert sorted(saved) == sorted(set(manifest) - local) and len(saved) == 5
+    assert all(saved[rel] == manifest[rel]["sha256"] for rel in saved)
+    with tarfile.open(msd_tar) as tar:
+        assert tar.extractfile(f"{TASK}/imagesTr/BRATS_001.nii.gz").read() == \
+            s3_env.client().get_object(Bucket=s3_env.bucket, Key=f"{uri.split('/', 3)[3]}/"
+                                       f"{TASK}/imagesTr/BRATS_001.nii.gz")["Body"].read()
+    said = bykey.fetched_bytes(proc.stderr.splitlines()[-1], bykey.SAVED)
+    assert said == {"raw": sum(manifest[rel]["size"] for rel in saved)}
+
+
+@pytest.mark.s3
+def test_a_tar_saved_by_key_with_another_md5_leaves_nothing_in_s3(tmp_path, http_server,
+                                                                  s3_env):
+    raw, uri = tmp_path / "raw", _raw_uri(s3_env, tmp_path)
+    with pytest.raises(StepError, match="md5 mismatch"):
+        download.main(["--source", f"{http_server.url}/data/msd.tar", "--raw", str(raw),
+                       "--raw-uri", uri, "--md5", "0" * 32, "--no-progress"])
+    assert_nothing_published(raw)
+    assert _objects(uri) == {}
+
+
+@pytest.mark.s3
+def test_a_body_sent_again_is_saved_again_once(tmp_path, http_server, msd_tar, s3_env):
+    """A server that answers the resume with the whole file: the first half's objects are
+    deleted and each file is saved and listed once, from the second body."""
+    size = msd_tar.stat().st_size
+    http_server.cut_after, http_server.ignore_range = size // 2, True
+    raw, uri = tmp_path / "raw", _raw_uri(s3_env, tmp_path)
+    download.main(["--source", f"{http_server.url}/data/msd.tar", "--raw", str(raw),
+                   "--raw-uri", uri, "--md5", md5_of(msd_tar), "--no-progress"])
+    paths = [e["path"] for e in json.loads((raw / "MANIFEST.json").read_text())["files"]]
+    assert len(paths) == len(set(paths)) == 6
+    assert sorted(_objects(uri)) == sorted(set(paths) - {f"{TASK}/dataset.json"})
+    assert http_server.log == [(None, size // 2), (None, size)]
+
+
+@pytest.mark.s3
+def test_a_tar_of_another_layout_is_left_to_the_executor(tmp_path, s3_env):
+    """Files under Task01_BrainTumour/ are saved as they come; when the task turns out to be
+    another folder of the tar, they are deleted from S3 and --raw holds the whole task."""
+    task = synthetic.write_msd_task(tmp_path / "src", cases=1, shape=SHAPE, seed=2)
+    archive = tmp_path / "other.tar"
+    with tarfile.open(archive, "w") as tar:
+        tar.add(task / "imagesTr", arcname=f"{TASK}/imagesTr")
+        tar.add(task, arcname="Task01_Copy")
+    raw, uri = tmp_path / "raw", _raw_uri(s3_env, tmp_path)
+    download.main(["--source", f"file://{archive}", "--raw", str(raw), "--raw-uri", uri,
+                   "--no-progress"])
+    assert_raw_ok(raw, train=1, test=0)
+    assert _objects(uri) == {}
+
+
+def test_a_synthetic_source_with_raw_uri_never_calls_s3(tmp_path):
+    """Only an extracted tar is saved by key: a generated task is left whole to the
+    executor, and the step makes no S3 call (here none could succeed)."""
+    raw = tmp_path / "raw"
+    proc = run_cli("--source", "synthetic://?cases=1&shape=32x32x16&seed=3&test=0",
+                   "--raw", str(raw), "--raw-uri", "s3://bucket/wf/pod/raw",
+                   env={"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "k",
+                        "AWS_SECRET_ACCESS_KEY": "s", "UNET_S3_MAX_ATTEMPTS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert_raw_ok(raw, train=1, test=0)
+
+
+def test_a_file_member_named_twice_is_refused(tmp_path):
+    archive = make_tar(tmp_path / "twice.tar", [
+        member(f"{TASK}/imagesTr/a.nii.gz", data=b"first"),
+        member(f"./{TASK}/imagesTr/a.nii.gz", data=b"second")])
+    with pytest.raises(StepError, match=f"member './{TASK}/imagesTr/a.nii.gz' appears twice"):
+        download.extract_tar(archive, tmp_path / "out", progress=False)
 
 
 # ----------------------------------------------------------------------------- md5
