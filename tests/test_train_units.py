@@ -25,7 +25,7 @@ from steps.model import ModelConfig, build_model
 from steps.sampler import (Augmentation, SliceSampler, StepDataset, _foreground_voxel,
                            _gaussian_blur, _gaussian_blur_batched, augment, pad_crop_2d,
                            torch_seed)
-from steps.train import predict_volume, slices_per_pass
+from steps.train import pass_shape, predict_volume, slices_per_pass
 
 REPO = Path(__file__).resolve().parents[1]
 STANDIN = Path(__file__).resolve().parent / "hpu_standin"
@@ -556,12 +556,31 @@ def test_a_validation_pass_holds_at_most_the_batch_of_patches_in_pixels():
     image = np.random.default_rng(0).normal(size=(4, 11, 60, 52)).astype(np.float32)
     cpu = select_device("cpu")
     capped = predict_volume(forward, image, cpu, 8, 4, patch=(32, 16))
-    assert passes == [(1, 4, 60, 52)] * 11          # 8 * 32 * 16 // (60 * 52) = 1
+    assert passes == [(1, 4, 64, 64)] * 11          # 8 * 32 * 16 // (64 * 64) = 1
     passes.clear()
     whole = predict_volume(forward, image, cpu, 8, 4)
     assert [p[0] for p in passes] == [8, 3]
     assert capped.shape == whole.shape == (11, 60, 52)
     assert (capped == whole).float().mean() > 0.999
+
+
+def test_validation_passes_take_a_few_shapes_whatever_the_crops():
+    """Without a static shape a pass is padded to VAL_GRID: the crops of Task01's brains
+    (about 120 to 190 pixels a side) make at most 9 pass shapes, where the network's own
+    multiple would make one per crop size (what oneDNN caches kernels for: train's memory
+    grew with the shapes validated), and a network of a coarser multiple keeps its own."""
+    crops = [(h, w) for h in range(120, 191) for w in range(120, 191)]
+    assert len({pass_shape(h, w, 8) for h, w in crops}) == 9
+    assert pass_shape(130, 161, 8) == (160, 192)
+    assert pass_shape(32, 20, 4) == (32, 32)
+    assert pass_shape(65, 130, 64) == (128, 192)
+    torch.manual_seed(0)
+    net = build_model(ModelConfig(base_filters=4, levels=3), deep_supervision=False).eval()
+    image = np.random.default_rng(1).normal(size=(4, 3, 40, 36)).astype(np.float32)
+    shapes = []
+    pred = predict_volume(lambda x: shapes.append(tuple(x.shape)) or net(x), image,
+                          select_device("cpu"), 8, 4)
+    assert shapes == [(3, 4, 64, 64)] and pred.shape == (3, 40, 36)
 
 
 _VALIDATE = """
