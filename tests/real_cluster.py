@@ -541,8 +541,12 @@ def argo_nodes(wf: dict) -> dict[str, dict]:
 
 
 def attempt_log(server: SeaweedServer, wf: dict, task: str, attempt: int) -> str:
-    node = next(n for n in wf["status"]["nodes"].values()
-                if n["displayName"] == f"{task}({attempt})")
+    return node_log(server, wf, f"{task}({attempt})")
+
+
+def node_log(server: SeaweedServer, wf: dict, display_name: str) -> str:
+    """The main container's log that Argo archived for the node of ``display_name``."""
+    node = next(n for n in wf["status"]["nodes"].values() if n["displayName"] == display_name)
     logs = next(a for a in node["outputs"]["artifacts"] if a["name"] == "main-logs")
     return text(server, logs["s3"]["key"])
 

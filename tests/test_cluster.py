@@ -47,15 +47,15 @@ from workflows.cli import GOLDEN_FILES
 from workflows.unet import GOLDEN
 from emulator.dag import pod_name
 from emulator.runner import run_workflow
-from steps import storage, synthetic
+from steps import bykey, storage, synthetic
 from workflows.s3server import SeaweedServer
 from workflows.versions import setting
 
 from real_cluster import (ARGO_URL, BUCKET, CFG, CONTROLLER_NAMESPACE, IMAGE, NAMESPACE, REPO,
                           S3_NAMESPACE, S3_PORT, STATE, api, argo_cli, argo_nodes, artifact_keys,
                           as_account, attempt_log, cli, compiled, controller_pods, empty_dir_bytes,
-                          fresh_source, keys, kubectl, pods_of, request, template, text, token,
-                          unique, wait)
+                          fresh_source, keys, kubectl, node_log, pods_of, request, template, text,
+                          token, unique, wait)
 from train_data import OPEN_GATE, STRICT_GATE, WITH_QUANTIZE
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -662,6 +662,10 @@ def test_full_size_cases_in_the_task01_layout_run_through_the_cluster(argo, stor
     raw = json.loads((tmp_path / "download" / "raw" / synthetic.TASK / "dataset.json")
                      .read_text())
     assert (len(raw["training"]), len(raw["test"])) == (3, 1)
+    # the download saved the tar's cases by key as it extracted them; the executor the rest
+    listed = json.loads((tmp_path / "download" / "raw" / "MANIFEST.json").read_text())["files"]
+    cases = sum(entry["size"] for entry in listed if entry["path"].endswith(".nii.gz"))
+    assert bykey.fetched_bytes(node_log(store, wf, "download"), bykey.SAVED) == {"raw": cases}
     onnx.checker.check_model(str(tmp_path / "convert" / "release" / "unet2d.onnx"))
     # the node keeps no step's scratch data: the pods are still there (no podGC), but the
     # kubelet tore their emptyDirs down when they ended (what emulator.lifecycle.free_volumes
