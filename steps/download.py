@@ -627,7 +627,6 @@ def extract_stream(fileobj, name: str, dest: Path, saver: bykey.Saver | None = N
     """
     dest.mkdir(parents=True, exist_ok=True)
     budget = _Budget(name)
-    files = 0
     written: set[PurePosixPath] = set()
     try:
         with tarfile.open(fileobj=fileobj, mode="r|*", tarinfo=_BoundedTarInfo) as tar:
@@ -649,7 +648,6 @@ def extract_stream(fileobj, name: str, dest: Path, saver: bykey.Saver | None = N
                 assert source is not None
                 with open(target, "wb") as out:
                     shutil.copyfileobj(source, out, _CHUNK)
-                files += 1
                 if saver is not None and saved_as_extracted(rel):
                     saver.save([(target, rel.as_posix())])
     except _ARCHIVE_ERRORS as exc:
@@ -657,7 +655,7 @@ def extract_stream(fileobj, name: str, dest: Path, saver: bykey.Saver | None = N
                         f"({exc.__class__.__name__}: {exc})") from None
     except OSError as exc:
         raise StepError(f"cannot extract {name}: {exc}") from None
-    return files
+    return len(written)
 
 
 def stream_http_tar(url: str, name: str, dest: Path, md5: str | None,
@@ -814,10 +812,11 @@ def build_raw(source: Source, staging: Path, cache_dir: Path | None, md5: str | 
         extract_tar(archive, scratch, progress, saver)
         label = archive.name
     task = locate_task(scratch, label)
-    if saver is not None and task != scratch / TASK:
-        saver.discard()    # saved at their paths in the tar, which are not the artifact's
-    elif saver is not None:
-        saver.saved()      # its uploads read the files where they were extracted
+    if saver is not None:
+        if task == scratch / TASK:
+            saver.saved()      # its uploads read the files where they were extracted
+        else:
+            saver.discard()    # saved at their paths in the tar, which are not the artifact's
     os.replace(task, target)
     shutil.rmtree(scratch, ignore_errors=True)
     (target / "imagesTs").mkdir(exist_ok=True)

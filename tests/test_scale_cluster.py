@@ -116,10 +116,10 @@ def verify_artifacts(store, artifacts: dict[str, dict[str, str]]) -> dict[str, i
     s3, checked = store.client(), {}
     listing = s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
     objects = {o["Key"] for page in listing for o in page.get("Contents", [])}
-    prefixes = {key.rstrip("/") + "/" for row in artifacts.values() for key in row.values()}
+    prefixes = {_prefix(key) for row in artifacts.values() for key in row.values()}
     for task, row in artifacts.items():
         for artifact, key in row.items():
-            prefix = key.rstrip("/") + "/"
+            prefix = _prefix(key)
             if prefix + MANIFEST not in objects:
                 continue
             where = f"{task}'s {artifact} at {key}"
@@ -202,8 +202,13 @@ def transfer_times(pod: dict) -> dict:
     return times
 
 
+def _prefix(key: str) -> str:
+    """An artifact's key as the prefix of its objects."""
+    return key.rstrip("/") + "/"
+
+
 def _bytes_under(objects: dict[str, int], key: str) -> int:
-    prefix = key.rstrip("/") + "/"
+    prefix = _prefix(key)
     return sum(size for k, size in objects.items() if k == key or k.startswith(prefix))
 
 
