@@ -381,7 +381,9 @@ def evaluate(forward, cases, info, batch: int, multiple: int, n_classes: int,
         totals[:-1] += dice_per_class(pred, truth, n_classes)
         totals[-1] += 1
         if rank == 0 and len(samples) < N_OVERLAYS:
-            z = int(truth.reshape(truth.shape[0], -1).gt(0).sum(1).argmax())
+            # the slice with most foreground, counted a slice at a time (no volume-sized
+            # int64 temporaries: see losses.DICE_CHUNK_VOXELS)
+            z = max(range(truth.shape[0]), key=lambda d: int(torch.count_nonzero(truth[d])))
             samples.append({"case": case.name, "slice": z,
                             "image": np.asarray(case.image[0, z], dtype=np.float32),
                             "truth": truth[z].numpy().copy(),

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from steps import losses
 from steps.checkpoints import LATEST, CheckpointStore
 from steps.dataset import Case
 from steps.devices import select_device
@@ -177,6 +178,39 @@ def test_dice_rules_for_absent_classes():
     half = target.clone()
     half[0, :2, 1] = 0
     assert dice_per_class(half, target, 4)[0] == pytest.approx(2 * 2 / (2 + 4))
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1000, 1 << 20])
+def test_dice_counted_in_pieces_is_the_whole_volumes(monkeypatch, chunk):
+    """Pieces of any size, one ending mid-slice, give the whole volume's Dice exactly; the
+    reference is numpy's over the whole volume, the anchors' rules for absent classes."""
+    rng = np.random.default_rng(3)
+    target = rng.integers(0, 3, (5, 13, 11)).astype(np.uint8)       # class 3 never labelled
+    pred = np.where(rng.random(target.shape) < 0.7, target,
+                    rng.integers(0, 4, target.shape)).astype(np.uint8)
+    reference = []
+    for cls in (1, 2, 3):
+        p, t = pred == cls, target == cls
+        reference.append(float(not p.any()) if not t.any()
+                         else 2 * (p & t).sum() / (p.sum() + t.sum()))
+    assert 0 < reference[0] < 1 and reference[2] == 0.0        # a predicted absent class: 0
+    monkeypatch.setattr(losses, "DICE_CHUNK_VOXELS", chunk)
+    got = dice_per_class(torch.from_numpy(pred), torch.from_numpy(target), 4)
+    assert got.dtype == torch.float64 and got.tolist() == pytest.approx(reference, abs=1e-15)
+
+
+def test_dice_allocates_a_piece_at_a_time_whatever_the_volume():
+    """No allocation of Dice's grows with the volume: the largest is one piece's mask, a byte a
+    voxel (a whole volume's bool sum allocated an int64 copy of it, 19.2 MB here)."""
+    truth = torch.zeros(60, 200, 200, dtype=torch.uint8)
+    truth[:, 50:150, 40:160] = 1
+    truth[:, 80:120, 60:100] = 2
+    pred = truth.roll(5, dims=2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        dice_per_class(pred, truth, 4)
+    largest = max(event.cpu_memory_usage for event in prof.events())
+    assert 0 < largest <= losses.DICE_CHUNK_VOXELS < truth.numel()
 
 
 def test_deep_supervision_loss_is_monais_dice_ce_per_head_weighted_and_normalised():
