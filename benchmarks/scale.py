@@ -20,7 +20,8 @@ memory-mapped files it has read, which the kernel takes back under a pod's limit
 largest size each step's peak disk against the larger of its input and output artifacts
 (target at most 2: no extra full copy); and the tar's generation with one worker process
 per CPU against one. Sizes: ``UNET_BENCH_SCALE`` (cases, comma-separated; default
-30,120,750); the tars' generation is left out of every time.
+30,120,750); the tars' generation is left out of every time. ``UNET_SCALE_DROP_TAR=N``
+deletes the tar of each size of at least N cases once the download step has it.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from workflows.s3server import SeaweedServer
 from workflows.unet import build
 
 SIZES_ENV = "UNET_BENCH_SCALE"
+DROP_TAR_ENV = "UNET_SCALE_DROP_TAR"
 STEPS = ("download", "preprocess", "train", "convert", "quantize")
 TAR = f"{synthetic.TASK}.tar"
 # Train bounded by steps; the gate opened (a model of 50 steps is no INT8 test).
@@ -59,6 +61,14 @@ def sizes(settings: Settings) -> list[int]:
     if raw.strip():
         return sorted({int(n) for n in raw.split(",")})
     return [8, 12] if settings.smoke else [30, 120, 750]
+
+
+def drops_tar(total: int) -> bool:
+    """Whether a run of ``total`` cases deletes its served tar from the cache once the download
+    step has it (``UNET_SCALE_DROP_TAR=N``: at N cases or more; a user's node never holds the
+    tar, and at Task01's size this machine kind's disk does not hold it beside the run)."""
+    first = int(os.environ.get(DROP_TAR_ENV) or 0)
+    return 0 < first <= total
 
 
 def split(total: int) -> tuple[int, int]:
@@ -98,6 +108,12 @@ def run_size(settings: Settings, total: int) -> dict:
     work = settings.workdir / f"scale-{total}"
     shutil.rmtree(work, ignore_errors=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    tar_bytes, drop = tar.stat().st_size, drops_tar(total)
+
+    def log(line: str) -> None:
+        if drop and line.startswith("download: Succeeded"):
+            shutil.rmtree(tar.parent)             # the tar and its md5 record
+
     with FileServer({f"/{TAR}": tar}) as files:
         overrides = [f"download.source={files.url('/' + TAR)}", f"download.md5={md5}",
                      *OVERRIDES, *(SMOKE if settings.smoke else FULL)]
@@ -107,15 +123,15 @@ def run_size(settings: Settings, total: int) -> dict:
             start = time.monotonic()
             result = run_workflow(workflow, run_dir=work / "run", env={**env, **s3.env()},
                                   output_dir=work / "outputs", bucket=config.storage.bucket,
-                                  log=lambda _line: None, echo=None)
+                                  log=log, echo=None)
             wall = time.monotonic() - start
             if not result.succeeded:
                 raise RuntimeError(f"{total} cases: run --local failed: {result.message}")
             objects = storage.list_objects(f"s3://{config.storage.bucket}/", client=s3.client())
         served = files.bytes_sent
     point = _point(result, workflow, objects)
-    point.update(cases=total, training=train, test=test, tar_bytes=tar.stat().st_size,
-                 tar_md5=md5, tar_bytes_served=served, wall_s=wall,
+    point.update(cases=total, training=train, test=test, tar_bytes=tar_bytes,
+                 tar_md5=md5, tar_dropped=drop, tar_bytes_served=served, wall_s=wall,
                  s3_bytes=sum(size for size, _ in objects.values()),
                  left_in_run_dir_bytes=_disk_bytes(work / "run"), overrides=overrides)
     shutil.rmtree(work, ignore_errors=True)

@@ -90,8 +90,10 @@ def test_the_fitted_growth_exponent_takes_every_size():
 def test_smoke_runs_the_scale_sizes(tmp_path, monkeypatch):
     """The whole DAG from the served tar at two sizes: every step measured, the download
     fetched the tar once (its bytes served), the S3 bytes a step read are those its producer
-    wrote, and the slopes and ratios come from the two points."""
+    wrote, and the slopes and ratios come from the two points; the larger size's tar is
+    deleted once the download has it (UNET_SCALE_DROP_TAR), and the run goes on."""
     monkeypatch.setenv("UNET_SYNTHETIC_CACHE", str(tmp_path / "tars"))
+    monkeypatch.setenv("UNET_SCALE_DROP_TAR", "12")
     report = _smoke(["scale"], tmp_path)
     rows = report["benchmarks"]["scale"]["rows"]
     # the tar's generation, 5 steps × 6 (download reads nothing from S3), the time around
@@ -122,8 +124,9 @@ def test_smoke_runs_the_scale_sizes(tmp_path, monkeypatch):
                 steps["preprocess"]["s3_written_bytes"], step
     big, small = points[1]["steps"]["download"], points[0]["steps"]["download"]
     assert big["s3_written_bytes"] > small["s3_written_bytes"]
+    assert [p["tar_dropped"] for p in points] == [False, True]
     assert sorted(p.name for p in (tmp_path / "tars").iterdir()) == [
-        "5+3-48x48x24-seed0", "8+4-48x48x24-seed0"]               # one tar per size, kept
+        "5+3-48x48x24-seed0"]                    # one tar per size, kept below the drop size
 
 
 def test_smoke_runs_the_cpu_share_sweep(tmp_path):

@@ -55,7 +55,8 @@ import pytest
 from benchmarks.common import machine
 from benchmarks.fileserver import FileServer
 from benchmarks.orchestration import argo_breakdown
-from benchmarks.scale import FULL, OVERRIDES, STEPS, fitted, s3_traffic, slope, split
+from benchmarks.scale import (FULL, OVERRIDES, STEPS, drops_tar, fitted, s3_traffic, slope,
+                              split)
 from real_cluster import (BUCKET, CONTROLLER_NAMESPACE, NAMESPACE, NODE_ANNOTATION, STATE,
                           PodUsage, argo_nodes, compiled, container_statuses, controller_pods,
                           empty_dir_bytes, fresh_source, kubectl, pods_of, until, wait)
@@ -67,7 +68,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.beyond_ci,
               pytest.mark.timeout(7200)]
 
 SIZES = sorted({int(n) for n in (os.environ.get("UNET_BENCH_SCALE") or "30,120").split(",")})
-DROP_TAR_FROM = int(os.environ.get("UNET_SCALE_DROP_TAR") or 0)   # cases; 0: never
 # The dataset's bytes per byte of raw, measured: 4.63 GB of dataset from 3.19 GB of raw at 240
 # full-size cases (benchmarks/results/scale-cluster-x86_64-2cpu-amd-epyc-2026-11-30-*.json).
 DATASET_PER_RAW = 1.46
@@ -215,7 +215,7 @@ def _bytes_under(objects: dict[str, int], key: str) -> int:
 def run_size(argo, store, total: int) -> dict:
     train, test = split(total)
     tar, md5 = synthetic.cached_tar(train, test, synthetic.FULL_SHAPE, progress=True)
-    drop = 0 < DROP_TAR_FROM <= total
+    drop = drops_tar(total)
     tar_bytes, disk = tar.stat().st_size, check_disk(tar, drop)
     gateway = str(next(ipaddress.ip_network(setting("POD_CIDR")).hosts()))
     with FileServer({f"/{tar.name}": tar}, host=gateway) as files:
