@@ -18,7 +18,7 @@ import torch
 
 from steps import losses
 from steps.checkpoints import LATEST, CheckpointStore
-from steps.dataset import Case
+from steps.dataset import Case, check_values
 from steps.devices import select_device
 from steps.errors import StepError
 from steps.losses import DeepSupervisionLoss, dice_per_class
@@ -211,6 +211,21 @@ def test_dice_allocates_a_piece_at_a_time_whatever_the_volume():
         dice_per_class(pred, truth, 4)
     largest = max(event.cpu_memory_usage for event in prof.events())
     assert 0 < largest <= losses.DICE_CHUNK_VOXELS < truth.numel()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_a_single_non_finite_voxel_anywhere_is_refused(bad, dtype):
+    """check_values finds one NaN or infinity wherever it sits (a reduction over the volume,
+    not a mask of it) and counts it; a finite case passes."""
+    rng = np.random.default_rng(7)
+    label = np.zeros((9, 17, 13), np.uint8)
+    for trial in range(20):
+        image = rng.normal(size=(4, *label.shape)).astype(dtype)
+        check_values([Case("fine", image, label)], 4)
+        image[tuple(int(rng.integers(n)) for n in image.shape)] = bad
+        with pytest.raises(StepError, match="'c' image has 1 NaN/Inf voxels"):
+            check_values([Case("c", image, label)], 4)
 
 
 def test_deep_supervision_loss_is_monais_dice_ce_per_head_weighted_and_normalised():
@@ -621,7 +636,7 @@ _VALIDATE = """
     from steps import devices            # first, as `python -m steps.train` does
     import dataclasses, json
     import numpy as np, torch
-    from steps.dataset import Case
+    from steps.dataset import Case, check_values
     from steps.model import ModelConfig, build_model
     from steps.train import evaluate, static_shape
 
