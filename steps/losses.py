@@ -63,6 +63,9 @@ def dice_per_class(prediction: torch.Tensor, target: torch.Tensor,
     Returns (n_classes - 1,) float64 with the anchors' rules for absent classes. The voxels
     are counted :data:`DICE_CHUNK_VOXELS` at a time, so the memory it takes is bounded.
     """
+    if prediction.shape != target.shape:
+        raise ValueError(f"prediction {list(prediction.shape)} and target {list(target.shape)} "
+                         "differ in shape")
     predicted, labelled = prediction.reshape(-1), target.reshape(-1)
     counts = torch.zeros(3, n_classes - 1, dtype=torch.int64)    # overlap, predicted, true
     for start in range(0, predicted.numel(), DICE_CHUNK_VOXELS):

@@ -197,6 +197,8 @@ def test_dice_counted_in_pieces_is_the_whole_volumes(monkeypatch, chunk):
     monkeypatch.setattr(losses, "DICE_CHUNK_VOXELS", chunk)
     got = dice_per_class(torch.from_numpy(pred), torch.from_numpy(target), 4)
     assert got.dtype == torch.float64 and got.tolist() == pytest.approx(reference, abs=1e-15)
+    with pytest.raises(ValueError, match="differ in shape"):     # flattened, they would pair
+        dice_per_class(torch.from_numpy(pred).transpose(1, 2), torch.from_numpy(target), 4)
 
 
 def test_dice_allocates_a_piece_at_a_time_whatever_the_volume():
