@@ -35,6 +35,7 @@ along y and W along x.
 from __future__ import annotations
 
 import functools
+import math
 import shutil
 import tempfile
 import time
@@ -259,10 +260,10 @@ def check_values(cases: list[Case], n_classes: int) -> None:
     (the manifest's hash check has just read the same bytes, so they are in the page cache)."""
 
     for case in cases:
-        image = torch_view(case.image)
-        # NaN reaches both ends and an infinity one: a reduction, where isfinite(image) made a
-        # mask of the whole volume and train's memory followed the largest case (issue 47)
-        if not all(bool(torch.isfinite(end)) for end in torch.aminmax(image)):
+        # a reduction: isfinite(image) made a mask of the whole volume, and train's memory
+        # followed the largest case (issue 47)
+        if not all(math.isfinite(end) for end in value_range(case.image)):
+            image = torch_view(case.image)
             bad = sum(int(torch.count_nonzero(~torch.isfinite(image[:, z])))
                       for z in range(image.shape[1]))
             raise StepError(f"artifact 'dataset': case '{case.name}' image has {bad} NaN/Inf "
@@ -271,6 +272,13 @@ def check_values(cases: list[Case], n_classes: int) -> None:
         if top >= n_classes:
             raise StepError(f"artifact 'dataset': case '{case.name}' label value {top} is not "
                             f"one of the {n_classes} classes in {DATASET_JSON}")
+
+
+def value_range(array: np.ndarray) -> tuple[float, float]:
+    """(min, max) of ``array`` in one pass, without a mask or a copy of it: a NaN anywhere
+    makes both NaN and an infinity one end infinite, so both are finite only when every
+    value is."""
+    return tuple(float(v) for v in torch_view(array.ravel(order="K")).aminmax())
 
 
 def torch_view(array: np.ndarray):

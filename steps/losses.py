@@ -76,5 +76,5 @@ def dice_per_class(prediction: torch.Tensor, target: torch.Tensor,
                                                torch.count_nonzero(pred),
                                                torch.count_nonzero(true)])
     overlap, pred_sum, true_sum = counts.double()
-    absent = torch.where(pred_sum == 0, 1.0, 0.0).double()
+    absent = (pred_sum == 0).double()            # absent from both: 1, predicted only: 0
     return torch.where(true_sum == 0, absent, 2.0 * overlap / (pred_sum + true_sum).clamp(min=1))

@@ -83,7 +83,7 @@ from tqdm import tqdm
 from steps import bykey, limits, nifti, params, schemas
 from steps.artifacts import check_disjoint, inside, publish, require
 from steps.dataset import (DATASET_JSON, FORMAT_VERSION, check_metadata, kfold_split,
-                           torch_view)
+                           torch_view, value_range)
 from steps.errors import StepError, run_main
 
 CASES_DIR = "cases"
@@ -243,7 +243,7 @@ def check_voxels(data: np.ndarray, where: str) -> None:
     and stored (a float64 1e39 would become Inf); one pass, and the line says which fault."""
     if data.dtype.kind != "f":
         return
-    lo, hi = (float(v) for v in torch_view(data.ravel(order="K")).aminmax())  # NaN propagates
+    lo, hi = value_range(data)
     largest = max(-lo, hi)
     if math.isfinite(lo) and math.isfinite(hi) and largest <= FLOAT32_MAX:
         return

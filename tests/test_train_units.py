@@ -638,7 +638,7 @@ _VALIDATE = """
     from steps import devices            # first, as `python -m steps.train` does
     import dataclasses, json
     import numpy as np, torch
-    from steps.dataset import Case, check_values
+    from steps.dataset import Case
     from steps.model import ModelConfig, build_model
     from steps.train import evaluate, static_shape
 
