@@ -126,12 +126,14 @@ def empty_memo_cache() -> None:
             "--type=merge", "-p", '{"data": null}')
 
 
-def s3_down_while(begun, what: str) -> tuple[str, datetime]:
-    """The S3 server stopped until ``begun()`` names a pod, then S3_DOWN_S more, then started
-    again; the pod's name and when the server was gone."""
+def s3_down_while(begun, what: str, then=lambda: None) -> tuple[str, datetime]:
+    """The S3 server stopped, ``then()`` called, the server kept stopped until ``begun()``
+    names a pod, then S3_DOWN_S more, then started again; the pod's name and when the server
+    was gone."""
     try:
         scale_s3(0)
         gone = datetime.now(timezone.utc)
+        then()
         pod = until(begun, 300, what, every=0.5)
         time.sleep(S3_DOWN_S)
     finally:
@@ -468,10 +470,11 @@ def test_the_s3_server_down_while_artifacts_move_then_the_train_pod_deleted_lose
     1. the S3 Deployment stopped for S3_DOWN_S and started again (on its persistent volume)
        twice, each time while Argo's executor moves an artifact: download's upload of raw (its
        wait container, once main has ended: main saves by key only a tar's files, and this
-       source is generated; preprocess's main reads raw from S3 itself since 2026-11-30, so an
-       outage timed around its upload would meet its main), then train's
-       load of the dataset (its init container). Each transfer waits the outage out (retried by minio-go, then by Argo's
-       executor) and succeeds; the bucket's objects outlive both restarts.
+       source is generated, so the run is submitted with the server already stopped;
+       preprocess's main reads raw from S3 itself since 2026-11-30, so an outage timed around
+       its upload would meet its main), then train's load of the dataset (its init container).
+       Each transfer waits the outage out (retried by minio-go, then by Argo's executor) and
+       succeeds; the bucket's objects outlive both restarts.
     2. ``kubectl delete pod`` on the running train, once its first checkpoint is in S3, as an
        operator or an autoscaler does. The kubelet sends the containers SIGTERM and the pod
        object goes once they have ended. Argo marks the attempt an Error, "pod deleted", when
@@ -488,11 +491,12 @@ def test_the_s3_server_down_while_artifacts_move_then_the_train_pod_deleted_lose
     kept = f"chaos/{name}/written-before-the-restarts"
     store.client().put_object(Bucket=BUCKET, Key=kept, Body=name.encode())
     empty_memo_cache()
-    argo.create_workflow(compiled(*LONG_TRAIN, name=name))
-    until(lambda: step_pod(name, "download", "main", "running"), 600,
-          "download's main container running", every=0.5)
+    # submitted once the server is gone: download's main needs no S3 for a generated source,
+    # and stopping the server takes longer than that main runs, so an outage begun once main
+    # ran could miss its upload (0 s, in CI on 2026-12-01)
     uploader, _ = s3_down_while(lambda: step_pod(name, "download", "main", "terminated"),
-                                "download's main ended, its wait container uploading")
+                                "download's main ended, its wait container uploading",
+                                then=lambda: argo.create_workflow(compiled(*LONG_TRAIN, name=name)))
     until(lambda: argo_nodes(argo.get_workflow(name)).get("preprocess", {}).get("phase")
           == "Succeeded", 600, "preprocess Succeeded", every=0.5)
     loader, gone = s3_down_while(lambda: step_pod(name, "train", "init", "running") or
