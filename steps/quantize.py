@@ -201,7 +201,11 @@ def quantize(fp32: Path, out: Path, calibration: Calibration, method: str,
 def foreground_box(image: np.ndarray) -> tuple[slice, slice, slice]:
     """The (D, H, W) box of voxels where any channel differs from its background fill."""
     fill = predict.background_fill(image)
-    mask = (image != fill.reshape(-1, 1, 1, 1)).any(axis=0)
+    mask = np.zeros(image.shape[1:], dtype=bool)
+    differs = np.empty_like(mask)                 # a channel at a time: no (C, D, H, W) mask
+    for channel, value in zip(image, fill):
+        np.not_equal(channel, value, out=differs)
+        mask |= differs
     if not mask.any():
         return slice(0, 0), slice(0, 0), slice(0, 0)
     box = []
@@ -230,19 +234,19 @@ def gate(sessions: dict[str, Any], cases: list[Case], multiple: int,
     seconds = dict.fromkeys(names, 0.0)
     agree, total = dict.fromkeys(names, 0), 0
     for case in cases:
-        image = np.asarray(case.image, dtype=np.float32)
+        image = case.image            # memory-mapped; segment converts a batch at a time
+        box = foreground_box(image)   # before the labels, so that its masks do not add to them
         labels = {}
         for order in (names, names[::-1]):
             for name in order:
                 start = time.perf_counter()
                 labels[name] = predict.segment(sessions[name], image, multiple, n_classes)
                 seconds[name] += time.perf_counter() - start
-        truth = torch.from_numpy(np.asarray(case.label, dtype=np.int64))
-        box = foreground_box(image)
+        truth = torch.from_numpy(np.array(case.label, dtype=np.uint8))
         total += int(labels["fp32"][box].size)
         for name in names:
-            dice[name] += dice_per_class(torch.from_numpy(labels[name].astype(np.int64)),
-                                         truth, n_classes).numpy()
+            dice[name] += dice_per_class(torch.from_numpy(labels[name]), truth,
+                                         n_classes).numpy()
             agree[name] += int((labels[name][box] == labels["fp32"][box]).sum())
     classes = [str(c) for c in range(1, n_classes)]
     mean = {name: dice[name] / max(len(cases), 1) for name in names}

@@ -4,6 +4,7 @@ gate is checked a hair inside and a hair outside each of its bounds."""
 from __future__ import annotations
 
 import time
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -109,3 +110,37 @@ def test_the_gate_takes_evenly_spaced_cases_of_the_fold(count, n, expected):
     most ``--gate-cases`` of them, spread over the fold in its order, never one twice."""
     names = [f"BRATS_{i:03d}" for i in range(count)]
     assert gate_subset(names, n) == [names[i] for i in expected]
+
+
+
+def _gate_peak(tmp_path, depth: int) -> int:
+    """The gate's peak traced allocation on one case of ``depth`` (D, 64, 64) slices as the
+    dataset stores it: a float16 (C, D, H, W) image and a uint8 label, memory-mapped."""
+    truth = np.zeros((depth, 64, 64), dtype=np.uint8)
+    truth[:, 8:40, 8:40] = 1
+    truth[:, 40:56, 40:56] = 2
+    image = np.zeros((3,) + truth.shape, dtype=np.float16)
+    image[0] = truth
+    image[2] = np.linspace(-1, 1, 64 * 64, dtype=np.float16).reshape(64, 64)
+    np.save(tmp_path / f"image-{depth}.npy", image)
+    np.save(tmp_path / f"label-{depth}.npy", truth)
+    case = Case("case_0", np.load(tmp_path / f"image-{depth}.npy", mmap_mode="r"),
+                np.load(tmp_path / f"label-{depth}.npy", mmap_mode="r"), (1.0, 1.0, 1.0))
+    tracemalloc.start()
+    try:
+        figures = gate({"fp32": LabelReader(False), "int8": LabelReader(True)}, [case], 8,
+                       CLASSES)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert figures["fp32"]["mean_dice"] == 1.0
+    return peak
+
+
+def test_the_gate_holds_no_whole_volume_copy_but_its_labels(tmp_path):
+    """What the gate allocates per voxel of a case, beyond its batches: the labels it writes
+    (a byte a voxel per model), the truth's copy and one mask (a byte each); no float32
+    image, no int64 label (30 bytes a voxel here before 2026-12-01)."""
+    small, large = 64 * 64 * 64, 256 * 64 * 64
+    per_voxel = (_gate_peak(tmp_path, 256) - _gate_peak(tmp_path, 64)) / (large - small)
+    assert per_voxel <= 4.5, f"{per_voxel:.2f} bytes a voxel"
