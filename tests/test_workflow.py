@@ -97,6 +97,25 @@ def test_unproduced_artifact_is_flagged():
     assert any("does not produce 'weights'" in p for p in project_rules(doc, env={}))
 
 
+def test_a_missing_or_misspelt_task_parameter_is_flagged():
+    """Argo refuses a run whose task leaves out a parameter its template declares without a
+    default; one it misspells Argo drops silently, the template's own value used."""
+    doc = _doc()
+    train = next(t for t in _templates(doc)["pipeline"]["dag"]["tasks"] if t["name"] == "train")
+    assert not [p for p in project_rules(doc, env={}) if p.startswith("parameters:")]
+    rate = next(p for p in train["arguments"]["parameters"] if p["name"] == "learning-rate")
+    rate["name"] = "learning_rate"
+    assert project_rules(doc, env={}) == [
+        "parameters: task train does not supply input parameter 'learning-rate'",
+        "parameters: task train supplies 'learning_rate', which template train does not "
+        "declare"]
+    rate["name"] = "learning-rate"
+    next(p for p in _templates(doc)["train"]["inputs"]["parameters"]
+         if p["name"] == "learning-rate")["default"] = "0.001"
+    train["arguments"]["parameters"].remove(rate)
+    assert project_rules(doc, env={}) == []
+
+
 def test_lint_command_passes_and_fails(capsys, monkeypatch):
     from workflows.cli import main
     for name in ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "ARGO_TOKEN"):

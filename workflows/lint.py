@@ -46,8 +46,8 @@ _SECRET_PATTERNS = {
     "a private key": re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
     "credentials in a URL": re.compile(r"\b[a-z][a-z0-9+.-]*://[^/\s:@{}]+:[^/\s@{}]+@"),
 }
-CHECKS = ("round-trip", "schema", "crd", "artifacts", "secrets", "images", "pods",
-          "references")
+CHECKS = ("round-trip", "schema", "crd", "artifacts", "parameters", "secrets", "images",
+          "pods", "references")
 _PARAM = re.compile(r"\{\{\s*workflow\.parameters\.([\w-]+)\s*\}\}")
 
 
@@ -189,6 +189,30 @@ def artifacts_wired(doc: dict) -> list[str]:
     return problems
 
 
+def parameters_wired(doc: dict) -> list[str]:
+    """Every DAG task supplies each input parameter its template declares without a value, a
+    default or a ConfigMap (Argo v4.0.5 refuses the run otherwise, "inputs.parameters.X was
+    not supplied": workflow/common/util.go ProcessArgs), and supplies none that its template
+    does not declare (ProcessArgs looks up only the declared names: a misspelt argument is
+    dropped and the template's default used, silently)."""
+    problems: list[str] = []
+    templates = _templates(doc)
+    for dag in (t for t in templates.values() if "dag" in t):
+        for task in dag["dag"]["tasks"]:
+            supplied = {p["name"] for p in (task.get("arguments") or {}).get("parameters", [])}
+            declared = {p["name"]: p for p in (templates.get(task["template"], {})
+                                               .get("inputs") or {}).get("parameters", [])}
+            for name, param in declared.items():
+                if name not in supplied and "value" not in param and "default" not in param \
+                        and "configMapKeyRef" not in (param.get("valueFrom") or {}):
+                    problems.append(f"parameters: task {task['name']} does not supply input "
+                                    f"parameter '{name}'")
+            for name in sorted(supplied - set(declared)):
+                problems.append(f"parameters: task {task['name']} supplies '{name}', which "
+                                f"template {task['template']} does not declare")
+    return problems
+
+
 def _reaches(tasks: dict, start: str, target: str) -> bool:
     stack, seen = [start], set()
     while stack:
@@ -284,7 +308,8 @@ def _resolve(text: str, inputs: dict[str, str], defaults: dict[str, str]) -> str
 
 
 def project_rules(doc: dict, env: dict | None = None) -> list[str]:
-    found = artifacts_wired(doc) + no_literal_secrets(doc, env) + images_pinned(doc)
+    found = (artifacts_wired(doc) + parameters_wired(doc) + no_literal_secrets(doc, env)
+             + images_pinned(doc))
     return list(dict.fromkeys(found))
 
 
