@@ -321,18 +321,33 @@ def reorient(image: np.ndarray, label: np.ndarray | None, volume: nifti.Volume,
 def foreground_box(image: np.ndarray, positive: bool, name: str) -> list[tuple[int, int]]:
     """Half-open [start, stop) per spatial axis of the voxels in any channel of (C, D, H, W)
     that are nonzero (``positive``: greater than zero)."""
+    box = mask_box(any_channel(image, np.greater if positive else np.not_equal,
+                               [0] * len(image)))
+    if box is None:
+        raise StepError(f"case {name}: empty foreground (every image voxel is "
+                        f"{'<= 0' if positive else '0'})")
+    return box
+
+
+def any_channel(image: np.ndarray, compare: Callable, values: Sequence) -> np.ndarray:
+    """(D, H, W) bool: where ``compare(channel, value)`` (a numpy ufunc) holds in any channel
+    of (C, D, H, W) ``image``, ``values`` one per channel; made a channel at a time, into one
+    reused buffer (no (C, D, H, W) mask, and no fresh temporary's page faults per channel)."""
     mask = np.zeros(image.shape[1:], dtype=bool)
-    hits = np.empty_like(mask)    # reused: a fresh temporary per channel costs its page faults
-    for channel in image:
-        (np.greater if positive else np.not_equal)(channel, 0, out=hits)
+    hits = np.empty_like(mask)
+    for channel, value in zip(image, values):
+        compare(channel, value, out=hits)
         mask |= hits
+    return mask
+
+
+def mask_box(mask: np.ndarray) -> list[tuple[int, int]] | None:
+    """Half-open [start, stop) per axis of ``mask``'s True voxels; None when it has none."""
     box = []
-    for axis in range(3):
-        other = tuple(a for a in range(3) if a != axis)
-        hits = np.flatnonzero(mask.any(axis=other))
+    for axis in range(mask.ndim):
+        hits = np.flatnonzero(mask.any(axis=tuple(a for a in range(mask.ndim) if a != axis)))
         if hits.size == 0:
-            raise StepError(f"case {name}: empty foreground (every image voxel is "
-                            f"{'<= 0' if positive else '0'})")
+            return None
         box.append((int(hits[0]), int(hits[-1]) + 1))
     return box
 

@@ -54,6 +54,7 @@ from steps.artifacts import check_disjoint, publish, require, write_outputs
 from steps.dataset import Case, Source, fold_names, open_cases, read_dataset
 from steps.errors import StepError, run_main
 from steps.losses import dice_per_class
+from steps.preprocess import any_channel, mask_box
 from steps.sampler import pad_crop_2d
 
 STEP = "quantize"
@@ -200,19 +201,10 @@ def quantize(fp32: Path, out: Path, calibration: Calibration, method: str,
 
 def foreground_box(image: np.ndarray) -> tuple[slice, slice, slice]:
     """The (D, H, W) box of voxels where any channel differs from its background fill."""
-    fill = predict.background_fill(image)
-    mask = np.zeros(image.shape[1:], dtype=bool)
-    differs = np.empty_like(mask)                 # a channel at a time: no (C, D, H, W) mask
-    for channel, value in zip(image, fill):
-        np.not_equal(channel, value, out=differs)
-        mask |= differs
-    if not mask.any():
+    box = mask_box(any_channel(image, np.not_equal, predict.background_fill(image)))
+    if box is None:
         return slice(0, 0), slice(0, 0), slice(0, 0)
-    box = []
-    for axis in range(3):
-        hit = np.flatnonzero(mask.any(axis=tuple(a for a in range(3) if a != axis)))
-        box.append(slice(int(hit[0]), int(hit[-1]) + 1))
-    return tuple(box)
+    return tuple(slice(*ends) for ends in box)
 
 
 def gate_subset(names: list[str], n: int) -> list[str]:

@@ -112,7 +112,6 @@ def test_the_gate_takes_evenly_spaced_cases_of_the_fold(count, n, expected):
     assert gate_subset(names, n) == [names[i] for i in expected]
 
 
-
 def _gate_peak(tmp_path, depth: int) -> int:
     """The gate's peak traced allocation on one case of ``depth`` (D, 64, 64) slices as the
     dataset stores it: a float16 (C, D, H, W) image and a uint8 label, memory-mapped."""

@@ -152,6 +152,14 @@ def _templates(doc: dict) -> dict[str, dict]:
     return {t["name"]: t for t in doc["spec"]["templates"]}
 
 
+def _inputs(templates: dict[str, dict], task: dict, kind: str) -> tuple[dict, dict]:
+    """({name: declaration} of ``task``'s template's input ``kind`` (parameters, artifacts),
+    {name: argument} of those the task supplies)."""
+    declared = (templates.get(task["template"], {}).get("inputs") or {}).get(kind, [])
+    supplied = (task.get("arguments") or {}).get(kind, [])
+    return {d["name"]: d for d in declared}, {a["name"]: a for a in supplied}
+
+
 def artifacts_wired(doc: dict) -> list[str]:
     """Every artifact a task consumes is produced by a task it depends on, and every input
     artifact a template declares is supplied."""
@@ -160,10 +168,8 @@ def artifacts_wired(doc: dict) -> list[str]:
     for dag in (t for t in templates.values() if "dag" in t):
         tasks = {t["name"]: t for t in dag["dag"]["tasks"]}
         for task in tasks.values():
-            supplied = {a["name"]: a for a in (task.get("arguments") or {}).get("artifacts", [])}
-            wanted = (templates.get(task["template"], {}).get("inputs") or {}).get("artifacts",
-                                                                                    [])
-            for art in wanted:
+            wanted, supplied = _inputs(templates, task, "artifacts")
+            for art in wanted.values():
                 if art["name"] not in supplied and not art.get("optional") and "s3" not in art:
                     problems.append(f"artifacts: task {task['name']} does not supply input "
                                     f"artifact '{art['name']}'")
@@ -199,15 +205,13 @@ def parameters_wired(doc: dict) -> list[str]:
     templates = _templates(doc)
     for dag in (t for t in templates.values() if "dag" in t):
         for task in dag["dag"]["tasks"]:
-            supplied = {p["name"] for p in (task.get("arguments") or {}).get("parameters", [])}
-            declared = {p["name"]: p for p in (templates.get(task["template"], {})
-                                               .get("inputs") or {}).get("parameters", [])}
+            declared, supplied = _inputs(templates, task, "parameters")
             for name, param in declared.items():
                 if name not in supplied and "value" not in param and "default" not in param \
                         and "configMapKeyRef" not in (param.get("valueFrom") or {}):
                     problems.append(f"parameters: task {task['name']} does not supply input "
                                     f"parameter '{name}'")
-            for name in sorted(supplied - set(declared)):
+            for name in sorted(supplied.keys() - declared.keys()):
                 problems.append(f"parameters: task {task['name']} supplies '{name}', which "
                                 f"template {task['template']} does not declare")
     return problems
