@@ -159,9 +159,7 @@ def read_metadata(dataset_dir: Path | str, check_hashes: bool = True) -> dict[st
     dataset_dir = Path(dataset_dir)
     require(dataset_dir, "dataset", check_hashes=check_hashes)
     where = f"artifact 'dataset' at {dataset_dir}: {DATASET_JSON}"
-    meta = schemas.read_json(dataset_dir / DATASET_JSON, where)
-    check_metadata(meta, where)
-    return meta
+    return _checked_json(dataset_dir / DATASET_JSON, where)
 
 
 @contextmanager
@@ -179,11 +177,15 @@ def read_dataset(location: Path | str, beside: Path) -> Iterator[tuple[Source, d
     try:
         source = Source(scratch, bykey.open_remote(str(location), "dataset"))
         where = f"artifact 'dataset' at {location}: {DATASET_JSON}"
-        meta = schemas.read_json(source.path(DATASET_JSON, where), where)
-        check_metadata(meta, where)
-        yield source, meta
+        yield source, _checked_json(source.path(DATASET_JSON, where), where)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _checked_json(path: Path, where: str) -> dict[str, Any]:
+    meta = schemas.read_json(path, where)
+    check_metadata(meta, where)
+    return meta
 
 
 def check_metadata(meta: Any, where: str) -> None:
