@@ -57,6 +57,16 @@ def saved_note(saver: "Saver") -> str:
     return f"{saver.bytes_saved()} bytes of {saver.artifact} saved by key"
 
 
+def artifact_bytes(root: Path, saver: "Saver | None") -> int:
+    """The whole artifact's bytes: its files under ``root`` and those ``saver`` saved by key
+    (no longer under ``root``, or never there). A step's summary gives this, not the few
+    files a folder keeps once its cases are saved by key."""
+    saved = saver.saved() if saver else []      # first: an upload under way removes its files
+    here = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    return here + sum(entry["size"] for entry in saved
+                      if not root.joinpath(*PurePosixPath(entry["path"]).parts).is_file())
+
+
 def fetched_bytes(log: str, said=FETCHED) -> dict[str, int]:
     """Artifact -> the bytes a step's log says it fetched by key (``said=SAVED``: saved)."""
     return {m.group(2): int(m.group(1)) for m in said.finditer(log)}

@@ -893,7 +893,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(staging / ".download", ignore_errors=True)
         if saver is not None:
             saver.let_go(staging)   # validated whole; the executor saves only the rest
-    size = sum(p.stat().st_size for p in raw.rglob("*") if p.is_file())
+    size = bykey.artifact_bytes(raw, saver)
     print(f"download: {n_train} training + {n_test} test cases of {TASK} from "
           f"{redact(source.uri)} -> {raw} ({size / 2**20:.1f} MiB, "
           f"{time.monotonic() - started:.1f} s"

@@ -599,8 +599,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         (staging / DATASET_JSON).write_text(json.dumps(meta, indent=1) + "\n")
         if saver:
             saver.saved()            # every case uploaded before publish moves the folder
-    total = sum(p.stat().st_size for p in args.dataset.rglob("*") if p.is_file())
-    print(f"preprocess: {len(cases)} cases, {total / 1e6:.1f} MB in {args.dataset}, "
+    total = bykey.artifact_bytes(args.dataset, saver)
+    print(f"preprocess: {len(cases)} cases, {total / 1e6:.1f} MB -> {args.dataset}, "
           f"{time.perf_counter() - start:.1f} s with {workers} worker(s) of {threads} "
           f"thread(s) (--workers {args.workers}), gzip via "
           f"{nifti.GZIP_BACKEND}, max {args.image_dtype} error "

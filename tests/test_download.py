@@ -412,6 +412,11 @@ def test_an_http_tar_is_saved_by_key_as_it_is_extracted(tmp_path, http_server, m
                                        f"{TASK}/imagesTr/BRATS_001.nii.gz")["Body"].read()
     said = bykey.fetched_bytes(proc.stderr.splitlines()[-1], bykey.SAVED)
     assert said == {"raw": sum(manifest[rel]["size"] for rel in saved)}
+    # and the size it gives is the whole artifact's: the manifest's files and the manifest
+    whole = sum(e["size"] for e in manifest.values()) + (raw / "MANIFEST.json").stat().st_size
+    left = sum(p.stat().st_size for p in raw.rglob("*") if p.is_file())
+    assert f"{whole / 2**20:.1f}" != f"{left / 2**20:.1f}"
+    assert f" -> {raw} ({whole / 2**20:.1f} MiB, " in proc.stderr.splitlines()[-1]
 
 
 @pytest.mark.s3

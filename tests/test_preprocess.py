@@ -507,6 +507,10 @@ def test_dataset_saved_by_key_is_the_same_artifact_and_leaves_the_folder(raw_in_
     storage.upload_dir(out, saved, progress=False)          # the executor's save
     storage.download_dir(saved, tmp_path / "whole", progress=False)
     assert all_bytes(tmp_path / "whole") == all_bytes(tmp_path / "plain")
+    # the summary gives the whole artifact's size, not that of the two files left in --dataset
+    whole, left = (sum(map(len, all_bytes(root).values())) / 1e6 for root in (tmp_path / "whole", out))
+    assert f"{whole:.1f}" != f"{left:.1f}"
+    assert f" cases, {whole:.1f} MB -> {out}," in result.stderr.splitlines()[-1]
 
 
 def test_the_saver_keeps_at_most_ahead_items_begun_and_unsaved(s3_env, tmp_path, monkeypatch):
@@ -531,6 +535,26 @@ def test_the_saver_keeps_at_most_ahead_items_begun_and_unsaved(s3_env, tmp_path,
     assert peak == 3
     assert [e["path"] for e in entries] == [f"{i:02d}.bin" for i in range(12)]
     assert len(storage.list_keys(uri)) == 12 and not list(tmp_path.glob("*.bin"))
+
+
+def test_an_artifact_partly_saved_by_key_counts_every_file_once(s3_env, tmp_path):
+    """``bykey.artifact_bytes``: the files under the folder and those saved by key, a file
+    kept after its upload (``keep``) counted once, and again once let go."""
+    root, uri = tmp_path / "artifact", f"s3://{s3_env.bucket}/{tmp_path.name}/pod/out"
+    (root / "cases").mkdir(parents=True)
+    (root / "dataset.json").write_bytes(b"x" * 10)
+    for keep in (False, True):
+        files = [(root / "cases" / f"{i}.npy", f"cases/{i}.npy") for i in range(3)]
+        for i, (path, _) in enumerate(files):
+            path.write_bytes(b"y" * (100 << i))
+        with bykey.Saver(f"{uri}-{keep}", "out", keep=keep) as saver:
+            saver.save(files)
+            assert bykey.artifact_bytes(root, saver) == 10 + 100 + 200 + 400
+            assert bykey.artifact_bytes(root, None) == 10 + (700 if keep else 0)
+            if keep:
+                saver.let_go(root)
+                assert bykey.artifact_bytes(root, saver) == 710
+                assert bykey.artifact_bytes(root, None) == 10
 
 
 @pytest.mark.slow
