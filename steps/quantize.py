@@ -31,8 +31,11 @@ artifact:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import io
 import json
+import logging
 import os
 import re
 import sys
@@ -158,6 +161,19 @@ def calibration_stride(n: int) -> int:
     return max(k for k in range(1, min(n, CALIBRATION_CHUNK) + 1) if n % k == 0)
 
 
+@contextlib.contextmanager
+def _each_line_once():
+    """What the block prints, each distinct line once, in order, when it ends: onnxruntime's
+    calibrators print() the same line for every range of slices they collect (1.32
+    calibrate.py, HistogramCollector.collect), 16 of them in a pod's log for 128 slices."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            yield
+    finally:
+        sys.stdout.write("".join(dict.fromkeys(printed.getvalue().splitlines(keepends=True))))
+
+
 def end_convolutions(model) -> list[str]:
     """Names of the first convolution (reads the input) and the last (feeds the output) of
     the model, or of each member of an ensemble (steps.ensemble), in graph order."""
@@ -178,7 +194,7 @@ def quantize(fp32: Path, out: Path, calibration: Calibration, method: str,
     keep = end_convolutions(model) if float_layers == "first-last" else []
     methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
                "percentile": CalibrationMethod.Percentile}
-    with tempfile.TemporaryDirectory() as scratch:
+    with tempfile.TemporaryDirectory() as scratch, _each_line_once():
         prepared = Path(scratch) / "prepared.onnx"
         quant_pre_process(str(fp32), str(prepared), skip_symbolic_shape=True)
         quantize_static(str(prepared), str(out), _Reader(calibration.batches),
@@ -327,6 +343,7 @@ def openvino_ir(fp32: Path, out: Path, calibration: Calibration, keep: list[str]
         import openvino as ov
     except ImportError:
         return None
+    nncf.set_log_level(logging.WARNING)   # not its INFO lines on each node it leaves float
     model = ov.convert_model(str(fp32))
     ignored = nncf.IgnoredScope(patterns=[f"^{re.escape(name)}(/WithoutBiases)?$"
                                           for name in keep], validate=False)

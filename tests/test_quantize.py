@@ -85,7 +85,9 @@ def quantized(exported):
     (site / "sitecustomize.py").write_text(NO_NETWORK)
     env = step_env(UNET_TEST_LOOKUPS=str(exported / "lookups.txt"))
     env["PYTHONPATH"] = f"{site}{os.pathsep}{env['PYTHONPATH']}"
-    _ok(quantize(exported, exported / "dataset", out, *gate_flags(REAL_GATE), env=env))
+    done = quantize(exported, exported / "dataset", out, *gate_flags(REAL_GATE), env=env)
+    _ok(done)
+    (exported / "quantize.log").write_text(done.stdout + done.stderr)
     return out
 
 
@@ -94,6 +96,16 @@ def test_the_step_looks_up_no_host(exported, quantized):
     step's deadline; the step has nothing to look up."""
     lookups = exported / "lookups.txt"
     assert not lookups.exists(), lookups.read_text()
+
+
+def test_the_log_says_each_line_once_and_no_info_chatter(exported, quantized):
+    """The step's log, as a pod's shows it: onnxruntime's calibrators print one line per range
+    of slices (16 for these 128) and NNCF logs INFO on each node it leaves float; each line
+    of the calibrators is kept once, NNCF's INFO not at all, and the step's own lines stay."""
+    lines = (exported / "quantize.log").read_text().splitlines()
+    assert lines.count("Collecting tensor data and making histogram ...") == 1, lines
+    assert not [line for line in lines if line.startswith("INFO:nncf")], lines
+    assert any(line.startswith("quantize: ") and "mean Dice FP32" in line for line in lines)
 
 
 def test_the_real_int8_model_holds_its_measured_bound(quantized):
