@@ -33,6 +33,7 @@ import os
 import re
 import sys
 import tarfile
+import time
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
@@ -308,9 +309,11 @@ def _one_case(shape: tuple[int, int, int], seed: int, cases: int,
 
 def _all_cases(cases: int, test_cases: int, shape: tuple[int, int, int], seed: int,
                workers: int | None, progress: bool) -> Iterator[tuple[str, bytes]]:
-    """Every case's files, in case order, made by ``workers`` processes (default one: two
-    on the 2-core AMD EPYC made full-size cases no faster, ``benchmarks scale``). At most two
-    cases per worker wait to be written."""
+    """Every case's files, in case order, made by ``workers`` processes (default one; the
+    CLI's default is one per CPU, about 1.2x faster than one on 2 cores: ``benchmarks scale``;
+    spawned workers import the caller's main module, which in a process that has imported
+    torch costs them more than they save on a few cases). At most two cases per worker wait
+    to be written."""
     numbers = range(1, cases + test_cases + 1)
     workers = min(workers or 1, len(numbers))
     make = functools.partial(_one_case, shape, seed, cases)
@@ -335,6 +338,10 @@ def _all_cases(cases: int, test_cases: int, shape: tuple[int, int, int], seed: i
                 bar.update(1)
         finally:  # stopped early (an error, SIGTERM): the cases not yet started are dropped
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+# what the CLI says on stderr once the tar is made (or found in the cache)
+MADE = re.compile(r"synthetic: (\d+) cases by (\d+) worker process")
 
 
 def _check_counts(cases: int, test_cases: int) -> None:
@@ -499,8 +506,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="voxels per case (default: Task01's 240x240x155)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=None,
-                        help="processes making cases (default 1; more were measured no "
-                             "faster on 2 cores)")
+                        help="processes making cases (default: one per CPU this process is "
+                             "given, fewer where other work keeps them busy)")
     parser.add_argument("--out", type=Path, default=None,
                         help="write the tar here instead of to the cache "
                              f"(${CACHE_ENV}, default ~/.cache/unet-synthetic)")
@@ -514,13 +521,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     params = uris.synthetic_params(query, query, "arguments")
     limits.check("max_cases", params["cases"] + params["test"], "--cases plus --test")
     shape, progress = params["shape"], not args.no_progress
+    workers, start = args.workers or limits.set_threads(), time.perf_counter()
     if args.out is None:
         tar, md5 = cached_tar(params["cases"], params["test"], shape, params["seed"],
-                              args.workers, progress)
+                              workers, progress)
     else:
         tar = args.out
         md5 = write_msd_tar(tar, params["cases"], shape, params["seed"], params["test"],
-                            workers=args.workers, progress=progress)
+                            workers=workers, progress=progress)
+    print(f"synthetic: {params['cases'] + params['test']} cases by {workers} worker "
+          f"process(es) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     print(f"{md5}  {tar}")
     return 0
 
