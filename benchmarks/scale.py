@@ -164,7 +164,7 @@ def s3_traffic(log: str, written: dict[str, dict[str, int]], task: str,
     return {"s3_written_bytes": sum(written[task].values()),
             "s3_read_bytes": sum(written[t][a] for t, a in inputs_of(workflow)[task]) + by_key,
             "s3_read_by_key_bytes": by_key,
-            "s3_saved_by_key_bytes": sum(bykey.fetched_bytes(log, bykey.SAVED).values()),
+            "s3_saved_by_key_bytes": sum(bykey.saved_bytes(log).values()),
             "fetch_in_main_s": bykey.fetch_seconds(log)}
 
 

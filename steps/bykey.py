@@ -67,8 +67,17 @@ def artifact_bytes(root: Path, saver: "Saver | None") -> int:
                       if not root.joinpath(*PurePosixPath(entry["path"]).parts).is_file())
 
 
-def fetched_bytes(log: str, said=FETCHED) -> dict[str, int]:
-    """Artifact -> the bytes a step's log says it fetched by key (``said=SAVED``: saved)."""
+def fetched_bytes(log: str) -> dict[str, int]:
+    """Artifact -> the bytes a step's log says it fetched by key."""
+    return _said_bytes(log, FETCHED)
+
+
+def saved_bytes(log: str) -> dict[str, int]:
+    """Artifact -> the bytes a step's log says it saved by key."""
+    return _said_bytes(log, SAVED)
+
+
+def _said_bytes(log: str, said: re.Pattern) -> dict[str, int]:
     return {m.group(2): int(m.group(1)) for m in said.finditer(log)}
 
 

@@ -665,7 +665,7 @@ def test_full_size_cases_in_the_task01_layout_run_through_the_cluster(argo, stor
     # the download saved the tar's cases by key as it extracted them; the executor the rest
     listed = json.loads((tmp_path / "download" / "raw" / "MANIFEST.json").read_text())["files"]
     cases = sum(entry["size"] for entry in listed if entry["path"].endswith(".nii.gz"))
-    assert bykey.fetched_bytes(node_log(store, wf, "download"), bykey.SAVED) == {"raw": cases}
+    assert bykey.saved_bytes(node_log(store, wf, "download")) == {"raw": cases}
     onnx.checker.check_model(str(tmp_path / "convert" / "release" / "unet2d.onnx"))
     # the node keeps no step's scratch data: the pods are still there (no podGC), but the
     # kubelet tore their emptyDirs down when they ended (what emulator.lifecycle.free_volumes

@@ -410,7 +410,7 @@ def test_an_http_tar_is_saved_by_key_as_it_is_extracted(tmp_path, http_server, m
         assert tar.extractfile(f"{TASK}/imagesTr/BRATS_001.nii.gz").read() == \
             s3_env.client().get_object(Bucket=s3_env.bucket, Key=f"{uri.split('/', 3)[3]}/"
                                        f"{TASK}/imagesTr/BRATS_001.nii.gz")["Body"].read()
-    said = bykey.fetched_bytes(proc.stderr.splitlines()[-1], bykey.SAVED)
+    said = bykey.saved_bytes(proc.stderr.splitlines()[-1])
     assert said == {"raw": sum(manifest[rel]["size"] for rel in saved)}
     # and the size it gives is the whole artifact's: the manifest's files and the manifest
     whole = sum(e["size"] for e in manifest.values()) + (raw / "MANIFEST.json").stat().st_size

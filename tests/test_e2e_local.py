@@ -93,7 +93,7 @@ def test_preprocess_saved_its_dataset_by_key_as_it_ran(first_run, s3_env):
     objects = storage.list_objects(f"s3://{ref['bucket']}/{ref['key']}")
     cases = sum(size for key, (size, _) in objects.items() if "/cases/" in key)
     log = Path(node["log_path"]).read_text(errors="replace")
-    assert cases > 0 and bykey.fetched_bytes(log, bykey.SAVED) == {"dataset": cases}
+    assert cases > 0 and bykey.saved_bytes(log) == {"dataset": cases}
 
 
 def test_each_fold_trains_on_its_own_split_and_checkpoints_apart(first_run, s3_env):

@@ -502,7 +502,7 @@ def test_dataset_saved_by_key_is_the_same_artifact_and_leaves_the_folder(raw_in_
     cases = {rel: data for rel, data in all_bytes(tmp_path / "plain").items()
              if rel.startswith("cases/")}
     assert len(cases) == 8
-    assert bykey.fetched_bytes(result.stderr.splitlines()[-1], bykey.SAVED) == {
+    assert bykey.saved_bytes(result.stderr.splitlines()[-1]) == {
         "dataset": sum(map(len, cases.values()))}
     storage.upload_dir(out, saved, progress=False)          # the executor's save
     storage.download_dir(saved, tmp_path / "whole", progress=False)
