@@ -340,7 +340,7 @@ def _all_cases(cases: int, test_cases: int, shape: tuple[int, int, int], seed: i
             pool.shutdown(wait=True, cancel_futures=True)
 
 
-# what the CLI says on stderr once the tar is made (or found in the cache)
+# what the CLI says on stderr once it has made the tar
 MADE = re.compile(r"synthetic: (\d+) cases by (\d+) worker process")
 
 
@@ -465,9 +465,8 @@ def cached_tar(cases: int = TRAINING_CASES, test_cases: int = TEST_CASES,
     the generator's digest). The tar is made again, in place, when the record is missing,
     unreadable, or names another size or generator, so the cache never holds two versions.
     """
-    shape = _check_shape(shape)
-    folder = cache_root() / f"{cases}+{test_cases}-{'x'.join(map(str, shape))}-seed{seed}"
-    tar, record = folder / f"{TASK}.tar", folder / f"{TASK}.tar.md5"
+    tar = cached_path(cases, test_cases, shape, seed)
+    record = tar.with_name(f"{TASK}.tar.md5")
     digest = generator_digest()
     md5 = _cached_md5(tar, record, digest)
     if md5 is None:
@@ -476,6 +475,12 @@ def cached_tar(cases: int = TRAINING_CASES, test_cases: int = TEST_CASES,
                             progress=progress)
         record.write_text(f"{md5}  {tar.stat().st_size}  {digest}\n")
     return tar, md5
+
+
+def cached_path(cases: int, test_cases: int, shape: Sequence[int], seed: int) -> Path:
+    """Where :func:`cached_tar` keeps the tar of these arguments."""
+    folder = f"{cases}+{test_cases}-{'x'.join(map(str, _check_shape(shape)))}-seed{seed}"
+    return cache_root() / folder / f"{TASK}.tar"
 
 
 def _cached_md5(tar: Path, record: Path, digest: str) -> str | None:
@@ -523,16 +528,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape, progress = params["shape"], not args.no_progress
     workers, start = args.workers or limits.set_threads(), time.perf_counter()
     if args.out is None:
+        kept = _mtime(cached_path(params["cases"], params["test"], shape, params["seed"]))
         tar, md5 = cached_tar(params["cases"], params["test"], shape, params["seed"],
                               workers, progress)
+        made = _mtime(tar) != kept
     else:
-        tar = args.out
+        tar, made = args.out, True
         md5 = write_msd_tar(tar, params["cases"], shape, params["seed"], params["test"],
                             workers=workers, progress=progress)
     print(f"synthetic: {params['cases'] + params['test']} cases by {workers} worker "
-          f"process(es) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+          f"process(es) in {time.perf_counter() - start:.1f} s" if made else
+          f"synthetic: {tar} was in the cache", file=sys.stderr)
     print(f"{md5}  {tar}")
     return 0
+
+
+def _mtime(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
 
 
 if __name__ == "__main__":

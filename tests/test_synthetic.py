@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -224,3 +225,26 @@ def test_cli_prints_md5_and_path_and_refuses_bad_shape(tmp_path):
     assert not (tmp_path / "y.tar").exists()
 
 
+
+
+def test_cli_says_how_many_workers_made_the_tar_and_when_the_cache_had_it(tmp_path):
+    """By default one worker process per CPU the CLI is given (``UNET_CPUS``, as a pod's);
+    ``--workers`` overrides it; a tar already in the cache is said to be, not made again."""
+    def cli(*args: str, cpus: str = "2") -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "steps.synthetic", "--cases", "3",
+                               "--test", "0", "--shape", "32x32x16", "--no-progress", *args],
+                              capture_output=True, text=True, check=True,
+                              env={**{k: v for k, v in os.environ.items()
+                                      if k != "OMP_NUM_THREADS"},
+                                   synthetic.CACHE_ENV: str(tmp_path), "UNET_CPUS": cpus,
+                                   "UNET_ADAPT_THREADS": "0"})
+
+    made = synthetic.MADE.search(cli("--out", str(tmp_path / "a.tar")).stderr)
+    assert made and made.groups() == ("3", "2")
+    made = synthetic.MADE.search(cli("--out", str(tmp_path / "b.tar"), "--workers", "1").stderr)
+    assert made and made.groups() == ("3", "1")
+    assert (tmp_path / "a.tar").read_bytes() == (tmp_path / "b.tar").read_bytes()
+    first, again = cli(cpus="1"), cli(cpus="1")
+    assert synthetic.MADE.search(first.stderr)[2] == "1"
+    assert not synthetic.MADE.search(again.stderr) and "was in the cache" in again.stderr
+    assert first.stdout == again.stdout
