@@ -526,7 +526,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     params = uris.synthetic_params(query, query, "arguments")
     limits.check("max_cases", params["cases"] + params["test"], "--cases plus --test")
     shape, progress = params["shape"], not args.no_progress
-    workers, start = args.workers or limits.set_threads(), time.perf_counter()
+    total = params["cases"] + params["test"]
+    workers = min(args.workers or limits.set_threads(), total)   # as _all_cases runs them
+    start = time.perf_counter()
     if args.out is None:
         kept = _mtime(cached_path(params["cases"], params["test"], shape, params["seed"]))
         tar, md5 = cached_tar(params["cases"], params["test"], shape, params["seed"],
@@ -536,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tar, made = args.out, True
         md5 = write_msd_tar(tar, params["cases"], shape, params["seed"], params["test"],
                             workers=workers, progress=progress)
-    print(f"synthetic: {params['cases'] + params['test']} cases by {workers} worker "
+    print(f"synthetic: {total} cases by {workers} worker "
           f"process(es) in {time.perf_counter() - start:.1f} s" if made else
           f"synthetic: {tar} was in the cache", file=sys.stderr)
     print(f"{md5}  {tar}")

@@ -248,3 +248,5 @@ def test_cli_says_how_many_workers_made_the_tar_and_when_the_cache_had_it(tmp_pa
     assert synthetic.MADE.search(first.stderr)[2] == "1"
     assert not synthetic.MADE.search(again.stderr) and "was in the cache" in again.stderr
     assert first.stdout == again.stdout
+    one = cli("--cases", "1", "--out", str(tmp_path / "c.tar"), "--workers", "4")
+    assert synthetic.MADE.search(one.stderr).groups() == ("1", "1")   # never more than cases
