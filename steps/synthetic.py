@@ -465,16 +465,24 @@ def cached_tar(cases: int = TRAINING_CASES, test_cases: int = TEST_CASES,
     the generator's digest). The tar is made again, in place, when the record is missing,
     unreadable, or names another size or generator, so the cache never holds two versions.
     """
+    tar, md5, _ = _kept_or_made(cases, test_cases, shape, seed, workers, progress)
+    return tar, md5
+
+
+def _kept_or_made(cases: int, test_cases: int, shape: Sequence[int], seed: int,
+                  workers: int | None, progress: bool) -> tuple[Path, str, bool]:
+    """:func:`cached_tar`'s (tar, md5), and whether the tar was made by this call."""
     tar = cached_path(cases, test_cases, shape, seed)
     record = tar.with_name(f"{TASK}.tar.md5")
     digest = generator_digest()
     md5 = _cached_md5(tar, record, digest)
-    if md5 is None:
-        record.unlink(missing_ok=True)
-        md5 = write_msd_tar(tar, cases, shape, seed, test_cases, workers=workers,
-                            progress=progress)
-        record.write_text(f"{md5}  {tar.stat().st_size}  {digest}\n")
-    return tar, md5
+    if md5 is not None:
+        return tar, md5, False
+    record.unlink(missing_ok=True)
+    md5 = write_msd_tar(tar, cases, shape, seed, test_cases, workers=workers,
+                        progress=progress)
+    record.write_text(f"{md5}  {tar.stat().st_size}  {digest}\n")
+    return tar, md5, True
 
 
 def cached_path(cases: int, test_cases: int, shape: Sequence[int], seed: int) -> Path:
@@ -530,10 +538,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     workers = min(args.workers or limits.set_threads(), total)   # as _all_cases runs them
     start = time.perf_counter()
     if args.out is None:
-        kept = _mtime(cached_path(params["cases"], params["test"], shape, params["seed"]))
-        tar, md5 = cached_tar(params["cases"], params["test"], shape, params["seed"],
-                              workers, progress)
-        made = _mtime(tar) != kept
+        tar, md5, made = _kept_or_made(params["cases"], params["test"], shape,
+                                       params["seed"], workers, progress)
     else:
         tar, made = args.out, True
         md5 = write_msd_tar(tar, params["cases"], shape, params["seed"], params["test"],
@@ -543,13 +549,6 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"synthetic: {tar} was in the cache", file=sys.stderr)
     print(f"{md5}  {tar}")
     return 0
-
-
-def _mtime(path: Path) -> int | None:
-    try:
-        return path.stat().st_mtime_ns
-    except OSError:
-        return None
 
 
 if __name__ == "__main__":

@@ -192,7 +192,7 @@ def test_cached_tar_is_made_once_and_remade_when_stale(tmp_path, monkeypatch):
     tar, md5 = synthetic.cached_tar(2, 1, SHAPE, seed=2, workers=1)
     assert tar == tmp_path / "2+1-48x48x24-seed2" / "Task01_BrainTumour.tar"
     assert md5 == hashlib.md5(tar.read_bytes()).hexdigest()
-    record = tar.with_name("Task01_BrainTumour.tar.md5")
+    record = tar.with_name(f"{synthetic.TASK}.tar.md5")
     assert record.read_text() == (f"{md5}  {tar.stat().st_size}  "
                                   f"{synthetic.generator_digest()}\n")
     made = []
@@ -227,7 +227,8 @@ def test_cli_prints_md5_and_path_and_refuses_bad_shape(tmp_path):
 
 
 
-def test_cli_says_how_many_workers_made_the_tar_and_when_the_cache_had_it(tmp_path):
+def test_cli_says_how_many_workers_made_the_tar_and_when_the_cache_had_it(tmp_path,
+                                                                         monkeypatch):
     """By default one worker process per CPU the CLI is given (``UNET_CPUS``, as a pod's);
     ``--workers`` overrides it; a tar already in the cache is said to be, not made again."""
     def cli(*args: str, cpus: str = "2") -> subprocess.CompletedProcess:
@@ -248,5 +249,10 @@ def test_cli_says_how_many_workers_made_the_tar_and_when_the_cache_had_it(tmp_pa
     assert synthetic.MADE.search(first.stderr)[2] == "1"
     assert not synthetic.MADE.search(again.stderr) and "was in the cache" in again.stderr
     assert first.stdout == again.stdout
+    monkeypatch.setenv(synthetic.CACHE_ENV, str(tmp_path))
+    record = synthetic.cached_path(3, 0, (32, 32, 16), 0).with_name(f"{synthetic.TASK}.tar.md5")
+    record.write_text("stale\n")                    # a bad record: made again, and said so
+    stale = cli(cpus="1")
+    assert synthetic.MADE.search(stale.stderr) and stale.stdout == first.stdout
     one = cli("--cases", "1", "--out", str(tmp_path / "c.tar"), "--workers", "4")
     assert synthetic.MADE.search(one.stderr).groups() == ("1", "1")   # never more than cases
