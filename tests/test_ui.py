@@ -25,7 +25,7 @@ from real_cluster import (ARGO_CA, ARGO_URL, BUCKET, CFG, NAMESPACE, NODE_ANNOTA
                           wait)
 
 try:
-    from playwright.sync_api import TimeoutError as NoDialog, sync_playwright
+    from playwright.sync_api import TimeoutError as NoDialog, expect, sync_playwright
 except ImportError:          # the tests skip with the reason, or fail in CI (_unavailable)
     sync_playwright = None
 
@@ -173,6 +173,25 @@ def opened_workflow(page, leaving: str = "") -> str:
     return pattern.search(page.url).group(1)
 
 
+def error_notice(page):
+    """The error notice above a page's content (v4.0.5 ui/src/shared/components/
+    error-notice.tsx: a white box whose first span holds a failed-phase icon and the error)."""
+    return page.locator(".white-box").filter(
+        has=page.locator(":scope > span > i.status-icon--failed"))
+
+
+def reload_watching(page) -> None:
+    """Reload a workflow's page, then wait until it watches the workflow with no error notice.
+    A watch that fails (its EventSource closes: 'Failed to connect to api/v1/workflow-events/
+    ...') shows a notice, and the page opens a new watch 3 s later, whose opening clears it
+    (v4.0.5 ui/src/shared/retry-observable.ts, reconnectAfterMs; workflow-details.tsx, the
+    watch's onOpen). While a notice shows, DELETE deletes the workflow but stays on its page
+    (workflow-details.tsx: ``if (error !== null) return;`` before it goes to the list)."""
+    with page.expect_response(lambda r: "/api/v1/workflow-events/" in r.url and r.ok):
+        page.reload()
+    expect(error_notice(page)).to_have_count(0, timeout=UI_WAIT_MS)
+
+
 def graph_node(page, label: str):
     """A node of the DAG graph by its label (a task, an attempt ``train(0)``, an artifact):
     the graph draws each as a group of the node's shape and, beside it, its label."""
@@ -299,7 +318,7 @@ def test_resubmit_takes_download_and_preprocess_from_the_cache(page, form_run, a
     assert wf["status"]["phase"] == "Succeeded"
     hits = {t for t, n in task_nodes(wf).items() if (n.get("memoizationStatus") or {}).get("hit")}
     assert hits == {"download", "preprocess"}
-    page.reload()
+    reload_watching(page)
     text = node_info(page, "preprocess").inner_text()
     assert re.search(r"HIT\?\s*YES", text), text
     page.screenshot(path=shots / "resubmit-memoized.png")
@@ -324,7 +343,7 @@ def test_a_value_outside_its_choices_fails_with_the_reason_and_retry_reruns_only
     attempt = wf["status"]["nodes"][before["train"]["children"][0]]
     assert attempt["message"].startswith("main: Error (exit code 2): error: "), attempt
     assert "precision: must be one of auto, fp32, bf16, fp16 (got 'fp64')" in attempt["message"]
-    page.reload()
+    reload_watching(page)
     text = node_info(page, "train(0)").inner_text()
     assert "must be one of auto, fp32, bf16, fp16 (got 'fp64')" in text, text
     page.screenshot(path=shots / "failed-node.png")
@@ -369,11 +388,16 @@ def test_stop_and_delete_leave_no_pod_behind(page, published, argo, shots):
     until(lambda: not [p for p in pods_of(name)
                        if p["status"].get("phase") in ("Pending", "Running")],
           180, "its pods to stop", every=1)
-    page.reload()
+    reload_watching(page)
     page.screenshot(path=shots / "stopped.png")
     toolbar(page, "DELETE")
     confirm(page)
-    page.wait_for_url(re.compile(rf"/workflows/{NAMESPACE}/?(\?.*)?$"))
+    try:
+        page.wait_for_url(re.compile(rf"/workflows/{NAMESPACE}/?(\?.*)?$"))
+    except NoDialog:
+        notices = error_notice(page).all_inner_texts()
+        raise AssertionError(f"DELETE left the page at {page.url}; its notices: {notices}") \
+            from None
     until(lambda: fetch(argo, f"api/v1/workflows/{NAMESPACE}/{name}").status_code == 404, 180,
           "the workflow to go", every=1)
     until(lambda: not pods_of(name), 180, "its pods to go", every=1)
@@ -521,7 +545,7 @@ def test_a_fold_that_fails_for_good_is_retried_alone_from_the_ui(page, argo, sto
     assert after["train-fold-1"]["phase"] == "Succeeded"
     assert after["train-fold-1"]["exit_codes"][-1] == 0
     assert after["ensemble"]["phase"] == after["pool"]["phase"] == "Succeeded"
-    page.reload()
+    reload_watching(page)
     graph_node(page, "ensemble").first.wait_for()
     page.screenshot(path=shots / "fold-retried.png", full_page=True)
 
