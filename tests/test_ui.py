@@ -25,7 +25,7 @@ from real_cluster import (ARGO_CA, ARGO_URL, BUCKET, CFG, NAMESPACE, NODE_ANNOTA
                           wait)
 
 try:
-    from playwright.sync_api import TimeoutError as NoDialog, expect, sync_playwright
+    from playwright.sync_api import TimeoutError as UiTimeout, expect, sync_playwright
 except ImportError:          # the tests skip with the reason, or fail in CI (_unavailable)
     sync_playwright = None
 
@@ -88,7 +88,7 @@ def user(browser, argo, shots):
     for _ in range(3):      # ui/src/modals/modal-switch.tsx: at most one at a time
         try:
             page.locator(".modal-close").first.click(timeout=5000)
-        except NoDialog:
+        except UiTimeout:
             break
     page.close()
     yield context
@@ -394,7 +394,7 @@ def test_stop_and_delete_leave_no_pod_behind(page, published, argo, shots):
     confirm(page)
     try:
         page.wait_for_url(re.compile(rf"/workflows/{NAMESPACE}/?(\?.*)?$"))
-    except NoDialog:
+    except UiTimeout:
         notices = error_notice(page).all_inner_texts()
         raise AssertionError(f"DELETE left the page at {page.url}; its notices: {notices}") \
             from None
