@@ -5,7 +5,8 @@
 # log links into its state folder. Removes
 # $STATE and $RUN_DIR (certificates, etcd data, containerd's images) unless KEEP_STATE=1 (a host
 # sysctl that could not be put back keeps its record there, and down.sh fails); the build cache
-# stays.
+# stays. KEEP_LOGS=DIR first copies the cluster's logs and its pods' into DIR, a new folder
+# (lib.sh keep_logs), before the pods are deleted and the kubelet removes theirs.
 #   bash cluster/down.sh
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -13,6 +14,9 @@ source "$here/lib.sh"
 
 ctr_() { ctr --address "$CONTAINERD_SOCK" -n k8s.io "$@"; }
 
+if [[ -n "${KEEP_LOGS:-}" ]]; then
+  keep_logs "$KEEP_LOGS" && log "the cluster's logs and its pods' kept in $KEEP_LOGS"
+fi
 stop argo-port-forward 3
 # No controller may replace the pods deleted below (the Deployments of CoreDNS, Argo and the
 # training operator would).

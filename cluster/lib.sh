@@ -100,6 +100,20 @@ restore_sysctls() {
   done < "$saved"
   return "$failed"
 }
+# keep_logs DEST: copy the cluster's own logs ($LOGS: etcd, the API server, the kubelet, ...,
+# and argo server's port-forward) and its pods' ($POD_LOGS, the kubelet's podLogsDir: argo
+# server, the controller, every step) into DEST, a new folder outside $STATE, so that what a
+# failed run saw outlives down.sh's removal of $STATE. Links are copied as the files they name.
+keep_logs() {
+  local dest="$1"
+  case "$(realpath -m "$dest")/" in "$(realpath -m "$STATE")"/*)
+    log "keep_logs: $dest is inside $STATE, which down.sh removes"; return 1;; esac
+  [[ ! -e "$dest" ]] || { log "keep_logs: $dest exists; it must be a new folder"; return 1; }
+  mkdir -p "$dest"
+  local d; for d in "$LOGS" "$POD_LOGS"; do
+    [[ ! -d "$d" ]] || cp -rL "$d" "$dest/" 2> /dev/null || log "keep_logs: part of $d not copied"
+  done
+}
 # module_dir MODULE@VERSION: its folder in the Go module cache, downloaded if needed.
 module_dir() {
   go mod download -json "$1" | sed -n 's/^\s*"Dir": "\(.*\)",$/\1/p'

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import zlib
 
 import pytest
@@ -14,7 +15,7 @@ from workflows.s3server import SeaweedError, SeaweedServer, find_weed
 
 # The real cluster's session fixtures, registered here once for test_cluster and
 # test_multinode (imported into each test module, each would start its own).
-from real_cluster import argo, cluster, local_store, store  # noqa: E402,F401
+from real_cluster import KEPT_LOGS, argo, cluster, local_store, store  # noqa: E402,F401
 
 # Steps size their thread pools to the CPUs that other work leaves free (steps.limits.
 # FairThreads); a thread count changes the order of float sums, so tests that compare
@@ -78,6 +79,23 @@ def pytest_collection_modifyitems(config, items):
 # of the CPU. At nice 10 a host process weighs 110, so the cluster's unit, which decides
 # CI's length, runs near its idle speed and the host's tests take what it leaves.
 HOST_NICE = 10
+
+
+STARTED = pytest.StashKey[float]()
+
+
+def pytest_sessionstart(session):
+    session.config.stash[STARTED] = time.time()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Name the folders of the cluster's logs that this run kept (its cluster session had a
+    failed test: tests/real_cluster.py), wherever the worker that ran the cluster was."""
+    started = config.stash.get(STARTED, time.time())
+    for folder in sorted(KEPT_LOGS.glob("*")):
+        if not folder.is_dir() or folder.stat().st_mtime < started:
+            continue
+        terminalreporter.write_line(f"the cluster's logs and its pods', kept: {folder}")
 
 
 def pytest_runtest_setup(item):

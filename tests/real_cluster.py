@@ -48,6 +48,9 @@ BUCKET = "unet-artifacts"
 CFG = load_config(None, PROFILE, [])
 IMAGE = f"{CFG.images.cpu.repository}:{CFG.images.cpu.tag}"
 WAIT_S = 900
+# Where the cluster's logs and its pods' are kept after a session in which a test failed
+# (cluster/down.sh KEEP_LOGS), one folder per session: tests/conftest.py names it at the end.
+KEPT_LOGS = Path(os.environ.get("UNET_CLUSTER_LOGS") or "/tmp/unet-cluster-logs")
 
 
 def _unavailable() -> str:
@@ -73,9 +76,10 @@ def _skip(reason: str):
     pytest.skip(reason)
 
 
-def _script(name: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+def _script(name: str, *args: str, timeout: float = 900,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(CLUSTER / name), *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def restart(process: str, down_s: float) -> None:
@@ -150,11 +154,13 @@ class _Start:
         if self.up.returncode == 0:
             self.load = _script("load-image.sh", IMAGE, timeout=1200)
 
-    def stop(self) -> None:
-        """down.sh, then the checks that it took only what the cluster made."""
+    def stop(self, failed: bool) -> None:
+        """down.sh, then the checks that it took only what the cluster made; after a failed
+        test it keeps the cluster's logs and its pods' first (``KEPT_LOGS``)."""
         if self.keep:
             return
-        down = _script("down.sh", timeout=300)
+        kept = KEPT_LOGS / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) if failed else None
+        down = _script("down.sh", timeout=300, env={"KEEP_LOGS": str(kept)} if kept else None)
         left = _neighbour()
         if self.neighbour:
             _plant_neighbour(False)
@@ -166,9 +172,10 @@ class _Start:
 
 
 @pytest.fixture(scope="session")
-def cluster():
+def cluster(request):
     """The started cluster (up.sh, our image loaded); down.sh at the end, which must leave a
-    neighbouring node's iptables chain and cgroups, and the host's sysctls, as they were."""
+    neighbouring node's iptables chain and cgroups, and the host's sysctls, as they were, and
+    keeps the logs if a test of this process failed."""
     reason = _unavailable()
     if reason:
         _skip(reason)
@@ -188,7 +195,7 @@ def cluster():
             f"cluster/load-image.sh: {_last_lines(start.load.stderr)}"
         yield
     finally:
-        start.stop()
+        start.stop(failed=request.session.testsfailed > 0)
 
 
 def kubectl(*args: str, stdin: str | None = None, check: bool = True) -> str:

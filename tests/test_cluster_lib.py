@@ -46,6 +46,37 @@ def test_restore_sysctls_is_silent_when_all_take(tmp_path):
     assert (root / "kernel/panic").read_text() == "0\n"
 
 
+
+def keep_logs(state: Path, dest: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", f'source "{LIB}"; keep_logs "$0"', str(dest)],
+                          capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "UNET_CLUSTER_STATE": str(state)})
+
+
+def test_keep_logs_copies_the_clusters_and_its_pods_logs_out_of_its_state(tmp_path):
+    """What down.sh keeps with KEEP_LOGS before it removes the state folder: the cluster's
+    logs and the kubelet's pod logs, a link as the file it names; never into the state
+    folder itself, nor over a folder that is there."""
+    state = tmp_path / "state"
+    (state / "logs").mkdir(parents=True)
+    (state / "logs/argo-port-forward.log").write_text("forward: listening\n")
+    pod = state / "pod-logs/argo_argo-server-0_uid/argo-server"
+    pod.mkdir(parents=True)
+    (pod / "0.log").write_text("server: watch closed\n")
+    (pod / "1.log").symlink_to(pod / "0.log")
+    kept = tmp_path / "kept/run-1"
+    done = keep_logs(state, kept)
+    assert done.returncode == 0, done.stderr
+    assert (kept / "logs/argo-port-forward.log").read_text() == "forward: listening\n"
+    copied = kept / "pod-logs/argo_argo-server-0_uid/argo-server"
+    assert not (copied / "1.log").is_symlink()
+    assert (copied / "1.log").read_text() == (copied / "0.log").read_text() == \
+        "server: watch closed\n"
+    for dest, why in ((state / "kept", "is inside"), (state, "is inside"), (kept, "exists")):
+        refused = keep_logs(state, dest)
+        assert refused.returncode == 1 and why in refused.stderr, (dest, refused.stderr)
+    assert not (state / "kept").exists()
+
 # ---- cluster/forward.py: the port-forward that outlives kubectl's ----------------------------
 # A stand-in kubectl for one connection. Every third connection (its bytes carry its number)
 # is not answered the first time a kubectl gets it: that kubectl ends without answering, as one
