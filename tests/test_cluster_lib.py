@@ -13,9 +13,11 @@ from pathlib import Path
 LIB = Path(__file__).resolve().parents[1] / "cluster" / "lib.sh"
 
 
-def restore(saved: Path, root: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", f'source "{LIB}"; restore_sysctls "$0" "$1"',
-                           str(saved), str(root)], capture_output=True, text=True, timeout=30)
+def lib(function: str, *args: Path, state: Path | None = None) -> subprocess.CompletedProcess:
+    """lib.sh's ``function`` called with ``args`` (the cluster's state folder ``state``)."""
+    env = {**os.environ, **({"UNET_CLUSTER_STATE": str(state)} if state else {})}
+    return subprocess.run(["bash", "-c", f'source "{LIB}"; {function} "$@"', "lib",
+                           *map(str, args)], capture_output=True, text=True, timeout=30, env=env)
 
 
 def test_restore_sysctls_puts_each_value_back_and_says_which_did_not_take(tmp_path):
@@ -28,7 +30,7 @@ def test_restore_sysctls_puts_each_value_back_and_says_which_did_not_take(tmp_pa
     (root / "kernel/panic_on_oops").mkdir(parents=True)
     saved = tmp_path / "sysctl.saved"
     saved.write_text("vm/overcommit_memory 0\nkernel/panic_on_oops 0\n")
-    done = restore(saved, root)
+    done = lib("restore_sysctls", saved, root)
     assert done.returncode == 1
     assert done.stdout.splitlines() == [
         "sysctl kernel/panic_on_oops is (unreadable), not 0 as before the cluster"]
@@ -41,16 +43,9 @@ def test_restore_sysctls_is_silent_when_all_take(tmp_path):
     (root / "kernel/panic").write_text("10\n")
     saved = tmp_path / "sysctl.saved"
     saved.write_text("kernel/panic 0\n")
-    done = restore(saved, root)
+    done = lib("restore_sysctls", saved, root)
     assert (done.returncode, done.stdout) == (0, "")
     assert (root / "kernel/panic").read_text() == "0\n"
-
-
-
-def keep_logs(state: Path, dest: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", f'source "{LIB}"; keep_logs "$0"', str(dest)],
-                          capture_output=True, text=True, timeout=30,
-                          env={**os.environ, "UNET_CLUSTER_STATE": str(state)})
 
 
 def test_keep_logs_copies_the_clusters_and_its_pods_logs_out_of_its_state(tmp_path):
@@ -65,7 +60,7 @@ def test_keep_logs_copies_the_clusters_and_its_pods_logs_out_of_its_state(tmp_pa
     (pod / "0.log").write_text("server: watch closed\n")
     (pod / "1.log").symlink_to(pod / "0.log")
     kept = tmp_path / "kept/run-1"
-    done = keep_logs(state, kept)
+    done = lib("keep_logs", kept, state=state)
     assert done.returncode == 0, done.stderr
     assert (kept / "logs/argo-port-forward.log").read_text() == "forward: listening\n"
     copied = kept / "pod-logs/argo_argo-server-0_uid/argo-server"
@@ -73,9 +68,10 @@ def test_keep_logs_copies_the_clusters_and_its_pods_logs_out_of_its_state(tmp_pa
     assert (copied / "1.log").read_text() == (copied / "0.log").read_text() == \
         "server: watch closed\n"
     for dest, why in ((state / "kept", "is inside"), (state, "is inside"), (kept, "exists")):
-        refused = keep_logs(state, dest)
+        refused = lib("keep_logs", dest, state=state)
         assert refused.returncode == 1 and why in refused.stderr, (dest, refused.stderr)
     assert not (state / "kept").exists()
+
 
 # ---- cluster/forward.py: the port-forward that outlives kubectl's ----------------------------
 # A stand-in kubectl for one connection. Every third connection (its bytes carry its number)
