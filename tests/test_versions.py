@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from workflows.lint import ARGO_SCHEMAS, PYTORCHJOB_CRDS, first_file
-from workflows.versions import pin
+from workflows.versions import pin, setting
 
 from real_cluster import REQUIRED, argo_cli, kubectl
 
@@ -34,6 +35,17 @@ def test_the_readmes_install_what_ran():
     table = (REPO / "cluster" / "README.md").read_text()
     for version in (argo, operator, pin("K8S_VERSION"), pin("ETCD_VERSION")):
         assert f"{version}" in table, version
+
+
+def test_a_setting_reads_as_the_shell_reads_it():
+    """Quoted or not, with a comment after it or not: what bash has after sourcing lib.sh (a
+    quoted DEBIAN_SUITE once named the image ``debian:"bookworm"``)."""
+    names = ("DEBIAN_SUITE", "PAUSE_TAG", "POD_CIDR", "BRIDGE", "YARN_VERSION")
+    shell = subprocess.run(
+        ["bash", "-c", 'source "$0" > /dev/null && printf "%s\\n" ' +
+         " ".join(f'"${name}"' for name in names), str(REPO / "cluster" / "lib.sh")],
+        capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()
+    assert [setting(name) for name in names] == shell
 
 
 def test_lint_checks_against_the_schema_and_crd_of_the_versions_that_ran():

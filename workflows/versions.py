@@ -10,7 +10,7 @@ from pathlib import Path
 LIB_SH = Path(__file__).resolve().parent.parent / "cluster" / "lib.sh"
 
 
-def _assignment(name: str, pattern: str) -> str:
+def _assignment(name: str, pattern: str, group: int = 1) -> str:
     """LookupError when cluster/lib.sh does not set ``name``, or is not there (an install of
     the package without this repository)."""
     try:
@@ -19,7 +19,7 @@ def _assignment(name: str, pattern: str) -> str:
         raise LookupError(f"cannot read {LIB_SH}: {exc.strerror}") from None
     if found is None:
         raise LookupError(f"cluster/lib.sh sets no {name}")
-    return found.group(1)
+    return found.group(group)
 
 
 def pin(name: str) -> str:
@@ -28,8 +28,9 @@ def pin(name: str) -> str:
 
 
 def setting(name: str) -> str:
-    """A plain setting of cluster/lib.sh, ``NAME=value``."""
-    return _assignment(name, r"(\S+)$")
+    """A plain setting of cluster/lib.sh, ``NAME=value`` or ``NAME="value"``, as the shell reads
+    it (the quotes are not the value's)."""
+    return _assignment(name, r'("?)([^"\s]+)\1(?:\s+#.*)?$', group=2)
 
 
 def module_file(module: str, version: str, path: str) -> Path:
