@@ -568,10 +568,12 @@ def container_statuses(status: dict) -> list[dict]:
     return status.get("initContainerStatuses", []) + status.get("containerStatuses", [])
 
 
-def empty_dir_bytes(uid: str) -> int:
-    """The bytes a pod's emptyDirs hold on the node (the kubelet's root, cluster/up.sh)."""
+def empty_dir_bytes(uid: str, volume: str = "") -> int:
+    """The bytes a pod's emptyDirs (only ``volume``, if named) hold on the node (the kubelet's
+    root, cluster/up.sh). Argo's own, ``var-run-argo``, holds its executor's binary. The
+    kubelet removes them once the pod has ended."""
     total = 0
-    root = STATE / "kubelet" / "pods" / uid / "volumes" / "kubernetes.io~empty-dir"
+    root = STATE / "kubelet" / "pods" / uid / "volumes" / "kubernetes.io~empty-dir" / volume
     for folder, _, files in os.walk(root):
         for file in files:
             try:
@@ -618,14 +620,15 @@ class PodUsage(threading.Thread):
     in it), its anonymous memory (``memory.stat`` ``total_rss``, anonymous and swap cache: the
     largest of the samples), its CPU time (``cpuacct.usage``) and its emptyDirs' bytes on the
     node. By pod uid, the largest value each had; a pod's cgroup is gone soon after it ends,
-    so its last sample stands for its end. ``node_free_min_bytes``: the least free space the
-    node's disk (the kubelet's nodefs, STATE's filesystem) had at any sample."""
+    so its last sample stands for its end. ``volumes``: by pod uid and emptyDir name, the most
+    bytes each held. ``node_free_min_bytes``: the least free space the node's disk (the
+    kubelet's nodefs, STATE's filesystem) had at any sample."""
 
     FIELDS = ("memory_peak_bytes", "anon_peak_bytes", "cpu_s", "disk_peak_bytes")
 
     def __init__(self, every: float = 0.5):
         super().__init__(daemon=True)
-        self.every, self.usage = every, {}
+        self.every, self.usage, self.volumes = every, {}, {}
         self.node_free_min_bytes = shutil.disk_usage(STATE).free
         self.halt = threading.Event()
 
@@ -643,14 +646,23 @@ class PodUsage(threading.Thread):
 
     def sample(self, uid: str) -> None:
         memory, cpu = pod_cgroup("memory", uid), pod_cgroup("cpuacct", uid)
+        try:
+            names = os.listdir(STATE / "kubelet" / "pods" / uid / "volumes" /
+                               "kubernetes.io~empty-dir")
+        except OSError:
+            names = []
+        volumes = {name: empty_dir_bytes(uid, name) for name in names}
         usage = (_read_int(memory / "memory.max_usage_in_bytes") if memory else None,
                  _read_int(memory / "memory.stat", "total_rss") if memory else None,
                  (_read_int(cpu / "cpuacct.usage") or 0) / 1e9 if cpu else None,
-                 empty_dir_bytes(uid))
+                 sum(volumes.values()))
         seen = self.usage.setdefault(uid, dict.fromkeys(self.FIELDS, 0))
         for field, value in zip(self.FIELDS, usage):
             if value is not None:
                 seen[field] = max(seen[field], value)
+        held = self.volumes.setdefault(uid, {})
+        for name, value in volumes.items():
+            held[name] = max(held.get(name, 0), value)
 
     def __enter__(self) -> "PodUsage":
         self.start()

@@ -18,6 +18,10 @@ step, from its pod:
 - bytes written to S3 (its output artifacts' objects) and read (its inputs');
 
 and per run the wall time and what the run's pods still hold on the node afterwards.
+``test_the_executors_load_against_a_plain_clients_as_the_data_grows`` separates, at the same
+sizes, what of train's load (Argo's executor copying the dataset into its pod) is the
+executor's and what the machine's: the executor against curl fetching the same objects the
+same way, interleaved; ``UNET_LOAD_RESULTS=FILE`` keeps its JSON.
 ``test_the_controllers_requeue_time_ab`` measures the controller's ``DEFAULT_REQUEUE_TIME``
 (Argo's 10 s against cluster/up.sh's 2 s) on the tiny DAG, interleaved;
 ``UNET_REQUEUE_RESULTS=FILE`` keeps its JSON. Then,
@@ -45,6 +49,7 @@ import os
 import re
 import shutil
 import statistics
+import subprocess
 import time
 from datetime import datetime
 from pathlib import Path
@@ -59,7 +64,8 @@ from benchmarks.scale import (FULL, OVERRIDES, STEPS, drops_tar, fitted, s3_traf
                               split)
 from real_cluster import (BUCKET, CONTROLLER_NAMESPACE, NAMESPACE, NODE_ANNOTATION, STATE,
                           PodUsage, argo_nodes, compiled, container_statuses, controller_pods,
-                          empty_dir_bytes, fresh_source, kubectl, pods_of, until, wait)
+                          empty_dir_bytes, fresh_source, kubectl, pods_of, unique, until,
+                          wait)
 from steps import params, schemas, synthetic
 from steps.artifacts import MANIFEST, check_manifest
 from workflows.versions import setting
@@ -290,6 +296,15 @@ def growth(points: list[dict]) -> dict:
     return rows
 
 
+def keep(report: dict, variable: str) -> None:
+    """Print ``report`` as JSON, and write it to the file the environment ``variable`` names,
+    if set."""
+    text = json.dumps(report, indent=1) + "\n"
+    print(text)
+    if os.environ.get(variable):
+        Path(os.environ[variable]).write_text(text)
+
+
 def save_report(points: list[dict]) -> dict:
     """The report of the sizes run so far, printed and kept in ``UNET_SCALE_RESULTS``."""
     points = sorted(points, key=lambda point: point["cases"])
@@ -299,10 +314,7 @@ def save_report(points: list[dict]) -> dict:
               "note": "the cluster profile on the single-node cluster (cluster/README.md), "
                       "Argo v4.0.5's executor; tar generation not timed; sizes run largest "
                       "first"}
-    text = json.dumps(report, indent=1) + "\n"
-    print(text)
-    if os.environ.get("UNET_SCALE_RESULTS"):
-        Path(os.environ["UNET_SCALE_RESULTS"]).write_text(text)
+    keep(report, "UNET_SCALE_RESULTS")
     return report
 
 
@@ -373,8 +385,156 @@ def test_the_controllers_requeue_time_ab(argo):
     report = {"machine": machine(), "requeue": REQUEUE, "rounds": AB_ROUNDS,
               "median": median, "ratio_wall": median["ours"]["wall_s"] / median["argo"]["wall_s"],
               "runs": runs}
-    text = json.dumps(report, indent=1) + "\n"
-    print(text)
-    if os.environ.get("UNET_REQUEUE_RESULTS"):
-        Path(os.environ["UNET_REQUEUE_RESULTS"]).write_text(text)
+    keep(report, "UNET_REQUEUE_RESULTS")
     assert median["ours"]["between_s"] < median["argo"]["between_s"], median
+
+
+# ---- train's load: the executor against a plain client ------------------------------------
+# A full-size case in the dataset, as preprocess writes it: the (4, D, H, W) float16 image and
+# the (D, H, W) uint8 label, 8 : 1, 19.25 MB together (14.44 GB at 750 cases, 2026-12-01).
+CASE_FILES = {"image.npy": 17_111_111, "label.npy": 2_138_889}
+# Argo's executor ("argo") and curl into the node's disk ("disk") and into /dev/null ("null"),
+# each twice in this order at each size, so that neither side always goes first.
+LOAD_ROUNDS = ("argo", "disk", "null", "null", "disk", "argo")
+
+
+def dataset_shaped(store, prefix: str, cases: int) -> dict[str, int]:
+    """Objects of a dataset's shape at ``cases`` full-size cases under ``prefix``, as
+    preprocess leaves them in S3 (random bytes: only their number and sizes matter to a
+    copy); key -> size."""
+    s3, objects = store.client(), {}
+    bodies = {name: os.urandom(size) for name, size in CASE_FILES.items()}
+    for case in range(cases):
+        for name, body in bodies.items():
+            key = f"{prefix}/cases/{case:04d}_{name}"
+            s3.put_object(Bucket=BUCKET, Key=key, Body=body)
+            objects[key] = len(body)
+    return objects
+
+
+def executor_load(argo, key: str, volume: str) -> dict:
+    """The executor's own duration of its ``Load artifact`` (``load_s``), and the most bytes
+    each of the pod's emptyDirs held on the node (``volumes``: ``work``, the artifact's), for
+    a one-step Workflow whose input artifact is the prefix ``key`` in the
+    cluster's artifact repository (key only: the bucket and endpoint are the repository's),
+    loaded by Argo's init container into an emptyDir as train's is; its main container only
+    waits 2 s, so that the sampler sees the volume whole before the kubelet removes it. The
+    pipeline's own account, pod security context and repository are taken from
+    the compiled DAG."""
+    spec = compiled()["spec"]
+    doc = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow",
+           "metadata": {"generateName": "load-", "namespace": NAMESPACE},
+           "spec": {"entrypoint": "load",
+                    **{k: spec[k] for k in ("serviceAccountName", "artifactRepositoryRef",
+                                            "securityContext")},
+                    "templates": [{
+                        "name": "load",
+                        "inputs": {"artifacts": [{"name": "dataset", "path": "/data/dataset",
+                                                  "s3": {"key": key}}]},
+                        "volumes": [{"name": "work", "emptyDir": {"sizeLimit": volume}}],
+                        "container": {
+                            "image": f"localhost/unet-cluster/debian:{setting('DEBIAN_SUITE')}",
+                            "command": ["sleep", "2"],
+                            "volumeMounts": [{"name": "work", "mountPath": "/data"}]}}]}}
+    with PodUsage() as usage:
+        name = argo.create_workflow(doc)["metadata"]["name"]
+        wf = wait(argo, name, timeout=1800)
+    assert wf["status"]["phase"] == "Succeeded", wf["status"].get("message")
+    pod, = pods_of(name)
+    uid = pod["metadata"]["uid"]
+    held = {"load_s": transfer_times(pod)["load_s"], "volumes": usage.volumes.get(uid, {})}
+    kubectl("-n", NAMESPACE, "delete", "workflow", name, "--wait=true")
+    until(lambda: empty_dir_bytes(uid) == 0, 300, f"{name}'s emptyDir torn down")
+    return held
+
+
+def plain_load(store, prefix: str, objects: dict[str, int], into: Path | None) -> float:
+    """Seconds for curl to fetch the objects under ``prefix`` as Argo's executor fetches a
+    directory: one after another over one connection (v4.0.5 workflow/artifacts/s3/s3.go
+    ``GetDirectory``: the listed keys, minio-go's ``FGetObject`` each in turn), from the node
+    at the S3 Service's cluster IP, as the pods reach it, into ``into`` (a folder on the node's
+    disk) or /dev/null. Presigned GET URLs in a curl config of mode 0600, so no secret key
+    leaves this process; the config and the files fetched are removed."""
+    s3, keys = store.client(), sorted(k for k in objects if k.startswith(prefix + "/"))
+    work = STATE / "kubelet" / "unet-plain-load"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(mode=0o700)
+    try:
+        config = work / "curl.conf"
+        config.write_text("".join(
+            'url = "{}"\noutput = "{}"\n'.format(
+                s3.generate_presigned_url("get_object", Params={"Bucket": BUCKET, "Key": k},
+                                          ExpiresIn=3600),
+                into / k[len(prefix) + 1:] if into else os.devnull) for k in keys))
+        config.chmod(0o600)
+        start = time.monotonic()
+        done = subprocess.run(["curl", "--config", str(config), "--fail", "--silent",
+                               "--show-error", "--create-dirs"], capture_output=True,
+                              text=True, timeout=3600)
+        took = time.monotonic() - start
+        assert done.returncode == 0, f"curl: {done.stderr.strip()[-300:]}"
+        if into:
+            fetched = sum(f.stat().st_size for f in into.rglob("*") if f.is_file())
+            assert fetched == sum(objects[k] for k in keys), (fetched, prefix)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if into:
+            shutil.rmtree(into, ignore_errors=True)
+    return took
+
+
+def load_ab(argo, store, cases: int) -> dict:
+    """At ``cases`` cases: the dataset-shaped objects put in S3, then :data:`LOAD_ROUNDS`;
+    the mean seconds of each side, and the executor's against curl's into the disk."""
+    size, disk = cases * sum(CASE_FILES.values()), shutil.disk_usage(STATE)
+    if disk.free < 2 * size + EVICTION_RESERVE * disk.total:     # S3's copy and the pod's
+        pytest.fail(f"the node's disk has {disk.free / 1e9:.1f} GB free; {cases} cases need "
+                    f"{2 * size / 1e9:.1f} GB and the kubelet evicts below "
+                    f"{EVICTION_RESERVE * disk.total / 1e9:.1f} GB free")
+    prefix = unique(f"load-ab-{cases}")
+    objects = dataset_shaped(store, prefix, cases)
+    times: dict[str, list[float]] = {side: [] for side in LOAD_ROUNDS}
+    pods = []
+    for side in LOAD_ROUNDS:
+        if side == "argo":
+            pods.append(executor_load(argo, prefix, work_volume(cases)))
+            took = pods[-1]["load_s"]
+        else:
+            took = plain_load(store, prefix, objects,
+                              STATE / "kubelet" / "unet-plain-files" if side == "disk" else None)
+        times[side].append(took)
+    s3 = store.client()
+    for key in objects:
+        s3.delete_object(Bucket=BUCKET, Key=key)
+    mean = {side: statistics.fmean(values) for side, values in times.items()}
+    return {"cases": cases, "bytes": sum(objects.values()), "objects": len(objects),
+            "rounds_s": times, "argo_s": mean["argo"], "disk_s": mean["disk"],
+            "null_s": mean["null"], "argo_vs_disk": mean["argo"] / mean["disk"],
+            "pods": pods}
+
+
+def test_the_executors_load_against_a_plain_clients_as_the_data_grows(argo, store):
+    """Train's load grew faster than its bytes on the cluster (exponent 1.14 from 30 to 750
+    cases, 2026-12-01). Whatever of that a plain client fetching the same objects the same way
+    also shows is the machine's (its page cache and disk), not the executor's."""
+    points = [load_ab(argo, store, cases) for cases in reversed(SIZES)][::-1]
+    cases = [point["cases"] for point in points]
+    growth = {f"{side}_exponent": fitted(cases, [point[f"{side}_s"] for point in points])
+              for side in ("argo", "disk", "null")}
+    growth["argo_vs_disk_exponent"] = fitted(cases, [p["argo_vs_disk"] for p in points])
+    report = {"machine": machine(), "sizes": SIZES, "case_files": CASE_FILES,
+              "rounds": list(LOAD_ROUNDS), "points": points, "growth": growth,
+              "curl": subprocess.run(["curl", "--version"], capture_output=True,
+                                     text=True).stdout.splitlines()[0],
+              "note": "Argo v4.0.5's executor (its init container) against curl from the "
+                      "node, both one object after another over one connection; the "
+                      "single-node cluster (cluster/README.md); sizes run largest first"}
+    keep(report, "UNET_LOAD_RESULTS")
+    for point, pod in ((point, pod) for point in points for pod in point["pods"]):
+        # The whole artifact, in whole blocks, and no second copy on the way (minio-go
+        # v7.0.100, Argo v4.0.5's, api-get-object-file.go ``FGetObject`` writes each object to
+        # a ``.part.minio`` file beside it and renames it).
+        assert 0 <= pod["volumes"].get("work", 0) - point["bytes"] <= 4096 * point["objects"], \
+            pod
+    assert growth["argo_vs_disk_exponent"] <= 0.1, growth
+
