@@ -568,19 +568,29 @@ def container_statuses(status: dict) -> list[dict]:
     return status.get("initContainerStatuses", []) + status.get("containerStatuses", [])
 
 
-def empty_dir_bytes(uid: str, volume: str = "") -> int:
-    """The bytes a pod's emptyDirs (only ``volume``, if named) hold on the node (the kubelet's
-    root, cluster/up.sh). Argo's own, ``var-run-argo``, holds its executor's binary. The
-    kubelet removes them once the pod has ended."""
-    total = 0
-    root = STATE / "kubelet" / "pods" / uid / "volumes" / "kubernetes.io~empty-dir" / volume
-    for folder, _, files in os.walk(root):
-        for file in files:
-            try:
-                total += os.lstat(os.path.join(folder, file)).st_blocks * 512
-            except FileNotFoundError:    # torn down while counted
-                pass
-    return total
+def empty_dirs(uid: str) -> dict[str, int]:
+    """The bytes each of a pod's emptyDirs holds on the node (the kubelet's root,
+    cluster/up.sh), by volume name; {} once they are gone. Argo's own, ``var-run-argo``, holds
+    its executor's binary. The kubelet removes them once the pod has ended."""
+    root = STATE / "kubelet" / "pods" / uid / "volumes" / "kubernetes.io~empty-dir"
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return {}
+    held = dict.fromkeys(names, 0)
+    for name in names:
+        for folder, _, files in os.walk(root / name):
+            for file in files:
+                try:
+                    held[name] += os.lstat(os.path.join(folder, file)).st_blocks * 512
+                except FileNotFoundError:    # torn down while counted
+                    pass
+    return held
+
+
+def empty_dir_bytes(uid: str) -> int:
+    """The bytes all of a pod's emptyDirs hold on the node (:func:`empty_dirs`)."""
+    return sum(empty_dirs(uid).values())
 
 
 # ---- what a pod uses on the node (issue 47) ---------------------------------------------------
@@ -646,12 +656,7 @@ class PodUsage(threading.Thread):
 
     def sample(self, uid: str) -> None:
         memory, cpu = pod_cgroup("memory", uid), pod_cgroup("cpuacct", uid)
-        try:
-            names = os.listdir(STATE / "kubelet" / "pods" / uid / "volumes" /
-                               "kubernetes.io~empty-dir")
-        except OSError:
-            names = []
-        volumes = {name: empty_dir_bytes(uid, name) for name in names}
+        volumes = empty_dirs(uid)
         usage = (_read_int(memory / "memory.max_usage_in_bytes") if memory else None,
                  _read_int(memory / "memory.stat", "total_rss") if memory else None,
                  (_read_int(cpu / "cpuacct.usage") or 0) / 1e9 if cpu else None,

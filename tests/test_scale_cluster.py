@@ -415,12 +415,11 @@ def dataset_shaped(store, prefix: str, cases: int) -> dict[str, int]:
 def executor_load(argo, key: str, volume: str) -> dict:
     """The executor's own duration of its ``Load artifact`` (``load_s``), and the most bytes
     each of the pod's emptyDirs held on the node (``volumes``: ``work``, the artifact's), for
-    a one-step Workflow whose input artifact is the prefix ``key`` in the
-    cluster's artifact repository (key only: the bucket and endpoint are the repository's),
-    loaded by Argo's init container into an emptyDir as train's is; its main container only
-    waits 2 s, so that the sampler sees the volume whole before the kubelet removes it. The
-    pipeline's own account, pod security context and repository are taken from
-    the compiled DAG."""
+    a one-step Workflow whose input artifact is the prefix ``key`` in the cluster's artifact
+    repository (key only: the bucket and endpoint are the repository's), loaded by Argo's init
+    container into an emptyDir as train's is; its main container only waits 2 s, so that the
+    sampler sees the volume whole before the kubelet removes it. The pipeline's own account,
+    pod security context and repository are taken from the compiled DAG."""
     spec = compiled()["spec"]
     doc = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow",
            "metadata": {"generateName": "load-", "namespace": NAMESPACE},
@@ -449,13 +448,13 @@ def executor_load(argo, key: str, volume: str) -> dict:
 
 
 def plain_load(store, prefix: str, objects: dict[str, int], into: Path | None) -> float:
-    """Seconds for curl to fetch the objects under ``prefix`` as Argo's executor fetches a
+    """Seconds for curl to fetch ``objects`` (all under ``prefix``) as Argo's executor fetches a
     directory: one after another over one connection (v4.0.5 workflow/artifacts/s3/s3.go
     ``GetDirectory``: the listed keys, minio-go's ``FGetObject`` each in turn), from the node
     at the S3 Service's cluster IP, as the pods reach it, into ``into`` (a folder on the node's
     disk) or /dev/null. Presigned GET URLs in a curl config of mode 0600, so no secret key
     leaves this process; the config and the files fetched are removed."""
-    s3, keys = store.client(), sorted(k for k in objects if k.startswith(prefix + "/"))
+    s3, keys = store.client(), sorted(objects)
     work = STATE / "kubelet" / "unet-plain-load"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(mode=0o700)
@@ -475,7 +474,7 @@ def plain_load(store, prefix: str, objects: dict[str, int], into: Path | None) -
         assert done.returncode == 0, f"curl: {done.stderr.strip()[-300:]}"
         if into:
             fetched = sum(f.stat().st_size for f in into.rglob("*") if f.is_file())
-            assert fetched == sum(objects[k] for k in keys), (fetched, prefix)
+            assert fetched == sum(objects.values()), (fetched, prefix)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if into:
