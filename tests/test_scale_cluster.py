@@ -516,6 +516,9 @@ def test_the_executors_load_against_a_plain_clients_as_the_data_grows(argo, stor
     """Train's load grew faster than its bytes on the cluster (exponent 1.14 from 30 to 750
     cases, 2026-12-01). Whatever of that a plain client fetching the same objects the same way
     also shows is the machine's (its page cache and disk), not the executor's."""
+    if len(SIZES) < 2:
+        pytest.fail(f"UNET_BENCH_SCALE={','.join(map(str, SIZES))}: a growth is fitted "
+                    "through two sizes or more")
     points = [load_ab(argo, store, cases) for cases in reversed(SIZES)][::-1]
     cases = [point["cases"] for point in points]
     growth = {f"{side}_exponent": fitted(cases, [point[f"{side}_s"] for point in points])
