@@ -36,7 +36,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 import re
 import sys
 import tempfile

@@ -18,11 +18,11 @@ enhancing rim bright on t1gd only, the necrotic core dark on T1. A bias field, l
 texture, partial-volume blur and Gaussian noise keep it from being trivial.
 
 Everything is deterministic per ``seed`` and case index, down to the gzip bytes (nibabel writes
-gzip members with mtime 0), and case ``i`` is the same whatever the number of cases. That holds
-on one kind of machine: the tars of 30, 120 and 750 full-size cases of one seed had the same
-sizes but other md5s on a 2-core Intel Xeon than on a 2-core AMD EPYC (2026-12-02; turning off
-numpy's AVX-512 paths changed nothing, the cause is not found), so compare a tar's md5 only
-with one made on the same kind of CPU.
+gzip members with mtime 0), and case ``i`` is the same whatever the number of cases. It is so
+on any x86-64 CPU too: the smooth fields are exact sums (:func:`smooth_field`), since the tars
+of 30, 120 and 750 cases of one seed had other md5s on an Intel Xeon than on an AMD EPYC while
+they were float32 matrix products and numpy exps (2026-12-02). The gzip bytes are zlib's, so
+other zlib builds may still give other md5s.
 """
 from __future__ import annotations
 
@@ -92,30 +92,51 @@ def affine_for(shape: Sequence[int]) -> np.ndarray:
     return affine
 
 
+_COARSE_STEPS = 64      # a coarse value is a multiple of 1/64 in [-4, 4]: 9 bits and a sign
+_WEIGHT_STEPS = 256     # a weight is a multiple of 1/256 in [0, 1]: 9 bits
+
+
 def smooth_field(shape: Sequence[int], rng: np.random.Generator,
                  knots: Sequence[int] = (5, 5, 4)) -> np.ndarray:
     """Random low-frequency field of ``shape`` (3D), values in [-1, 1].
 
     Gaussian-weighted interpolation of a coarse random grid, done separably (three small
-    matrix products), so a 240×240×155 field costs milliseconds.
+    matrix products), so a 240×240×155 field costs milliseconds. The coarse values (at most
+    256 in magnitude) and the weights (0 … 256) are integers, and an axis has at most 16
+    knots, so every partial sum of the products is an integer below 2**44: exact in float64
+    in any order, with FMA or without. OpenBLAS picks its kernel by CPU, and its kernels add
+    in other orders (``OPENBLAS_CORETYPE=Prescott`` made other float32 fields than the
+    default on one Intel Xeon), so the field's bits would otherwise depend on the CPU.
     """
-    coarse = rng.standard_normal(tuple(knots)).astype(np.float32)
+    coarse = np.rint(rng.standard_normal(tuple(knots)) * _COARSE_STEPS)
+    coarse = np.clip(coarse, -4 * _COARSE_STEPS, 4 * _COARSE_STEPS)
     wx, wy, wz = (_interpolation_matrix(n, k) for n, k in zip(shape, knots))
     field = np.tensordot(coarse, wz, axes=([2], [1]))       # (kx, ky, D)
     field = np.tensordot(field, wy, axes=([1], [1]))        # (kx, D, W)
     field = np.tensordot(wx, field, axes=([1], [0]))        # (H, D, W)
-    field = np.ascontiguousarray(field.transpose(0, 2, 1))  # (H, W, D)
+    field = field.transpose(0, 2, 1)                        # (H, W, D)
+    field /= np.multiply.outer(np.multiply.outer(wx.sum(1), wy.sum(1)), wz.sum(1))
+    field = field.astype(np.float32, order="C")
     field /= max(float(np.abs(field).max()), 1e-6)
     return field
 
 
 def _interpolation_matrix(n: int, knots: int) -> np.ndarray:
-    """(n, knots) row-normalised Gaussian weights from knot positions to grid positions."""
-    grid = (np.arange(n, dtype=np.float32) + 0.5) / n
-    centres = (np.arange(knots, dtype=np.float32) + 0.5) / knots
+    """(n, knots) integer Gaussian weights (float64, 0 … 256) from knots to grid positions.
+
+    exp(-x²/2) is taken as (1 - x²/128)**64, within 0.005 of it, made by multiplications
+    alone: numpy's exp takes other SIMD paths on other CPUs.
+    """
+    if knots > 16:
+        raise ValueError(f"{knots} knots: at most 16 keep smooth_field's sums exact")
+    grid = (np.arange(n, dtype=np.float64) + 0.5) / n
+    centres = (np.arange(knots, dtype=np.float64) + 0.5) / knots
     sigma = 0.6 / knots
-    weights = np.exp(-0.5 * ((grid[:, None] - centres[None, :]) / sigma) ** 2)
-    return (weights / weights.sum(axis=1, keepdims=True)).astype(np.float32)
+    x = (grid[:, None] - centres[None, :]) / sigma
+    weights = np.maximum(1 - x * x / 128, 0)
+    for _ in range(6):
+        weights = weights * weights
+    return np.rint(weights * _WEIGHT_STEPS)
 
 
 def _bumpy_ellipsoid(shape: Sequence[int], centre: np.ndarray, radii: np.ndarray,

@@ -383,7 +383,8 @@ def evaluate(forward, cases, info, batch: int, multiple: int, n_classes: int,
         if rank == 0 and len(samples) < N_OVERLAYS:
             # the slice with most foreground, counted a slice at a time (no volume-sized
             # int64 temporaries: see losses.DICE_CHUNK_VOXELS)
-            z = max(range(truth.shape[0]), key=lambda d: int(torch.count_nonzero(truth[d])))
+            counts = [int(torch.count_nonzero(axial)) for axial in truth]
+            z = counts.index(max(counts))
             samples.append({"case": case.name, "slice": z,
                             "image": np.asarray(case.image[0, z], dtype=np.float32),
                             "truth": truth[z].numpy().copy(),

@@ -54,7 +54,7 @@ from workflows.versions import setting
 from real_cluster import (ARGO_URL, BUCKET, CFG, CONTROLLER_NAMESPACE, IMAGE, NAMESPACE, REPO,
                           S3_NAMESPACE, S3_PORT, STATE, api, argo_cli, argo_nodes, artifact_keys,
                           as_account, attempt_log, cli, compiled, controller_pods, empty_dir_bytes,
-                          fresh_source, keys, kubectl, node_log, pods_of, request, template, text,
+                          fresh_source, keys, kubectl, node_log, pods_of, request, template,
                           token, unique, wait)
 from train_data import OPEN_GATE, STRICT_GATE, WITH_QUANTIZE
 

@@ -277,7 +277,7 @@ def test_a_step_starts_beside_an_odd_proc_stat(tmp_path):
              if k not in (limits.CPUS_ENV, "OMP_NUM_THREADS", limits.ADAPT_ENV)}
     done = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-         f'mount --bind "$0" /proc/stat && exec "$1" -c "$2"', str(stat), sys.executable,
+         'mount --bind "$0" /proc/stat && exec "$1" -c "$2"', str(stat), sys.executable,
          code], cwd=REPO, capture_output=True, text=True, timeout=120,
         env={**clean, "UNET_CPUS": "2"})
     assert done.returncode == 0, done.stderr

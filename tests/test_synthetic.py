@@ -148,6 +148,51 @@ def test_tar_is_deterministic_and_carries_macos_junk(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.tar", "b.tar"]
 
 
+_KERNEL_PROBE = """
+import hashlib, sys
+import numpy as np
+from steps import synthetic
+rng = np.random.default_rng(0)
+a = rng.standard_normal((64, 64), dtype=np.float32)
+x = rng.standard_normal(4096).astype(np.float32)
+case = hashlib.md5()
+for knots in ((3, 3, 3), (5, 5, 4), (12, 12, 8), (16, 16, 10)):
+    field = synthetic.smooth_field((48, 40, 24), np.random.default_rng(list(knots)), knots)
+    case.update(field.tobytes())
+for number in (1, 2):
+    for _, data in synthetic.case_files((48, 48, 24), 3, number, training=True):
+        case.update(data)
+print(hashlib.md5((a @ a).tobytes()).hexdigest(), hashlib.md5(np.exp(x).tobytes()).hexdigest(),
+      case.hexdigest())
+"""
+
+
+def _kernel_probe(**env: str) -> tuple[str, str, str]:
+    """(md5 of a float32 matmul, of a float32 exp, of smooth fields and two cases' files),
+    each made in a fresh process."""
+    done = subprocess.run([sys.executable, "-c", _KERNEL_PROBE], capture_output=True,
+                          text=True, check=True, env={**os.environ, **env})
+    return tuple(done.stdout.split())  # type: ignore[return-value]
+
+
+def test_cases_have_the_same_bytes_whichever_blas_kernel_and_simd_path_runs():
+    """OpenBLAS picks its kernel by CPU and numpy its exp by SIMD level, and both round
+    otherwise on other CPUs; the variables below make this CPU take those other paths. The
+    probes show that each variable took effect, and the fields' and cases' bytes must not move."""
+    from numpy._core import _multiarray_umath as umath
+    matmul, exp, case = _kernel_probe()
+    other_blas = _kernel_probe(OPENBLAS_CORETYPE="Prescott")
+    if other_blas[0] == matmul:
+        pytest.skip("OPENBLAS_CORETYPE changed no matmul here (numpy's BLAS is not "
+                    "OpenBLAS with DYNAMIC_ARCH)")
+    assert other_blas[2] == case
+    dispatch = [f for f in umath.__cpu_dispatch__ if umath.__cpu_features__.get(f)]
+    baseline = _kernel_probe(NPY_DISABLE_CPU_FEATURES=" ".join(dispatch))
+    if baseline[1] == exp:
+        pytest.skip(f"turning off {dispatch or 'nothing'} changed no exp on this CPU")
+    assert baseline[2] == case
+
+
 def test_tar_holds_the_files_write_msd_task_and_nib_save_write(tmp_path):
     """One generator: the tar's members are the task's files byte for byte, and each volume
     is what nibabel itself writes for the case."""
