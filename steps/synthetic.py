@@ -19,10 +19,10 @@ texture, partial-volume blur and Gaussian noise keep it from being trivial.
 
 Everything is deterministic per ``seed`` and case index, down to the gzip bytes (nibabel writes
 gzip members with mtime 0), and case ``i`` is the same whatever the number of cases. It is so
-on any x86-64 CPU too: the smooth fields are exact sums (:func:`smooth_field`), since the tars
-of 30, 120 and 750 cases of one seed had other md5s on an Intel Xeon than on an AMD EPYC while
-they were float32 matrix products and numpy exps (2026-12-02). The gzip bytes are zlib's, so
-other zlib builds may still give other md5s.
+on any x86-64 CPU too, since the smooth fields are exact sums (:func:`smooth_field`); while
+they were float32 matrix products and numpy exps, the tars of 30, 120 and 750 cases of one seed
+had other md5s on an Intel Xeon than on an AMD EPYC (2026-12-02). The gzip bytes are zlib's,
+so other zlib builds may still give other md5s.
 """
 from __future__ import annotations
 

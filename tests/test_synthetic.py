@@ -11,6 +11,7 @@ import tarfile
 import nibabel as nib
 import numpy as np
 import pytest
+from numpy._core import _multiarray_umath as umath
 
 from steps import synthetic
 
@@ -149,7 +150,7 @@ def test_tar_is_deterministic_and_carries_macos_junk(tmp_path):
 
 
 _KERNEL_PROBE = """
-import hashlib, sys
+import hashlib
 import numpy as np
 from steps import synthetic
 rng = np.random.default_rng(0)
@@ -179,7 +180,6 @@ def test_cases_have_the_same_bytes_whichever_blas_kernel_and_simd_path_runs():
     """OpenBLAS picks its kernel by CPU and numpy its exp by SIMD level, and both round
     otherwise on other CPUs; the variables below make this CPU take those other paths. The
     probes show that each variable took effect, and the fields' and cases' bytes must not move."""
-    from numpy._core import _multiarray_umath as umath
     matmul, exp, case = _kernel_probe()
     other_blas = _kernel_probe(OPENBLAS_CORETYPE="Prescott")
     if other_blas[0] == matmul:
