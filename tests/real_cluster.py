@@ -51,6 +51,21 @@ WAIT_S = 900
 # Where the cluster's logs and its pods' are kept after a session in which a test failed
 # (cluster/down.sh KEEP_LOGS), one folder per session: tests/conftest.py names it at the end.
 KEPT_LOGS = Path(os.environ.get("UNET_CLUSTER_LOGS") or "/tmp/unet-cluster-logs")
+KEPT_LOGS_LIMIT = 5          # at most this many kept folders stay, the newest
+KEPT_TIME = "%Y%m%dT%H%M%SZ"                # a kept folder's name: its UTC time, which sorts
+KEPT_NAME = re.compile(r"\d{8}T\d{6}Z")     # ... as KEPT_TIME writes it
+
+
+def prune_kept_logs(root: Path = KEPT_LOGS, limit: int = KEPT_LOGS_LIMIT) -> list[Path]:
+    """Removes the oldest folders that failed sessions kept in ``root``, so that it holds
+    ``limit - 1`` and the one kept next makes ``limit``; returns them. Only folders named by
+    KEPT_TIME are its own: anything else in ``root`` stays."""
+    kept = sorted(p for p in root.glob("*")
+                  if KEPT_NAME.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+    old = kept[:max(0, len(kept) - limit + 1)]
+    for folder in old:
+        shutil.rmtree(folder)
+    return old
 
 
 def _unavailable() -> str:
@@ -159,7 +174,11 @@ class _Start:
         test it keeps the cluster's logs and its pods' first (``KEPT_LOGS``)."""
         if self.keep:
             return
-        kept = KEPT_LOGS / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) if failed else None
+        kept = KEPT_LOGS / time.strftime(KEPT_TIME, time.gmtime()) if failed else None
+        if kept:
+            for old in prune_kept_logs():
+                print(f"real_cluster: removed {old}, older than the last {KEPT_LOGS_LIMIT} "
+                      "kept", file=sys.stderr)
         down = _script("down.sh", timeout=300, env={"KEEP_LOGS": str(kept)} if kept else None)
         left = _neighbour()
         if self.neighbour:

@@ -1,5 +1,5 @@
-"""cluster/'s host-side helpers, without a cluster: lib.sh's on files of the test's own, and
-forward.py in front of a stand-in kubectl."""
+"""cluster/'s host-side helpers, without a cluster: lib.sh's on files of the test's own,
+forward.py in front of a stand-in kubectl, and the suite's pruning of the logs it keeps."""
 from __future__ import annotations
 
 import os
@@ -9,6 +9,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from real_cluster import KEPT_TIME, prune_kept_logs
 
 LIB = Path(__file__).resolve().parents[1] / "cluster" / "lib.sh"
 
@@ -165,3 +167,25 @@ def test_forward_gives_each_connection_a_kubectl_and_resends_an_unanswered_one(t
     assert said.count("ended before its connection was answered (exit 1: error: lost "
                       "connection to pod); sent again") == len(RESENT), said
     assert "Traceback" not in said and "Task was destroyed" not in said, said
+
+
+def test_prune_kept_logs_leaves_room_for_one_more_of_the_newest_and_nothing_else_of_ours(tmp_path):
+    """Before a failed session keeps its logs, the oldest of the folders earlier ones kept go,
+    so that the new one makes the limit; a user's file or folder of another name stays, and so
+    does what a link named like ours points to."""
+    times = [time.strftime(KEPT_TIME, time.gmtime(1_780_000_000 + 3600 * i)) for i in range(7)]
+    for name in times:
+        (tmp_path / name / "pods").mkdir(parents=True)
+        (tmp_path / name / "pods" / "argo-server.log").write_text("log\n")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "20260101T000000Z.txt").write_text("a user's\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "20200101T000000Z").symlink_to(elsewhere)
+    removed = prune_kept_logs(tmp_path, limit=5)
+    assert [p.name for p in removed] == times[:3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [*times[3:], "notes", "20260101T000000Z.txt", "20200101T000000Z", "elsewhere"])
+    assert prune_kept_logs(tmp_path, limit=5) == []
+    assert [p.name for p in prune_kept_logs(tmp_path, limit=1)] == times[3:]
+    assert elsewhere.is_dir()
