@@ -36,8 +36,8 @@ import json
 import math
 import multiprocessing
 import os
+import shutil
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -136,9 +136,9 @@ def _trainer_class():
 
 
 def _trainer(spec: dict):
-    """The variant's ``Trainer`` for ``spec`` (dataset, device, flags, steps, epochs...)."""
-    scratch = tempfile.mkdtemp(prefix="unet-gpu-variant-")
-    argv = ["--dataset", spec["dataset"], "--model", str(Path(scratch) / "model"),
+    """The variant's ``Trainer`` for ``spec`` (dataset, device, flags, steps, epochs...); its
+    model folder (checkpoints, compile cache) in the parent's ``spec["scratch"]``."""
+    argv = ["--dataset", spec["dataset"], "--model", str(Path(spec["scratch"]) / "model"),
             "--device", spec["device"], "--batch-size", str(spec["batch"]),
             "--num-workers", str(spec["workers"]), "--steps-per-epoch", str(spec["steps"]),
             "--max-epochs", str(spec["epochs"]), "--base-filters", str(spec["filters"]),
@@ -236,13 +236,18 @@ def _variant_process(conn, spec: dict) -> None:
 class Variant:
     """The parent's handle on one variant process."""
 
-    def __init__(self, name: str, spec: dict, env: dict[str, str]):
-        self.name, self.error = name, None
+    def __init__(self, name: str, spec: dict, env: dict[str, str], scratch: Path):
+        """Starts the variant's process, its model in ``scratch``: a folder it makes afresh
+        and :meth:`stop` removes once the process has ended."""
+        self.name, self.error, self.scratch = name, None, scratch
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir(parents=True)
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
         with environ(env):
             # not a daemon: its DataLoader starts worker processes of its own
-            self.process = context.Process(target=_variant_process, args=(child, spec))
+            self.process = context.Process(target=_variant_process,
+                                           args=(child, {**spec, "scratch": str(scratch)}))
             self.process.start()
         child.close()
         self.ready = None
@@ -283,6 +288,7 @@ class Variant:
             if self.process.is_alive():
                 self.process.kill()
                 self.process.join()
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -321,7 +327,7 @@ def variants_ab(settings: Settings, device: str, budget_s: float, rounds: int = 
     dataset = dataset_dir(settings, "default")
     env = {**step_env(), "TORCHINDUCTOR_COMPILE_THREADS": "4"}
     handles = [Variant(name, _spec(settings, device, dataset, *VARIANTS[name][1:], rounds),
-                       env) for name in names]
+                       env, settings.workdir / "gpu-variants" / name) for name in names]
     try:
         warm_deadline = begin + 0.55 * budget_s
         ready = [v for v in handles if v.wait_ready(warm_deadline)]

@@ -61,6 +61,8 @@ def test_smoke_runs_every_fast_benchmark(tmp_path):
         assert 0 <= epoch["host_wait_share"] < 1 and epoch["gpu_wait_share"] is None
         assert variant["warmup"]["first_step_s"] > 0
     assert "15 steps" in ab["profiles"]["default"]
+    # each variant's model folder went with its process
+    assert sorted((tmp_path / "work" / "gpu-variants").iterdir()) == []
     details = report["benchmarks"]["preprocess"]["details"]
     assert details["anchor_mode_labels_equal"]
     assert details["anchor_mode_max_abs_diff_image"] < 1e-3   # same algorithm, float32

@@ -231,3 +231,4 @@ def test_the_session_runs_every_stage_on_the_cpu(tmp_path):
     assert any(r["metric"].startswith("steps.train default, end to end") for r in result["rows"])
     # what a lent machine sends back: at most 8 files (the device tool's limit)
     assert len(list(out.iterdir())) <= 8
+    assert sorted((tmp_path / "work" / "smoke" / "gpu-variants").iterdir()) == []
