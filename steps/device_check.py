@@ -28,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Sequence
 
@@ -144,10 +145,15 @@ def spawn(args: argparse.Namespace, mode: str, devices: int) -> dict[str, Any]:
     """A worker process (under torch.distributed.run for several devices); its result."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
              if k not in ("devices", "json", "worker", "parity") and v is not None]
-    runner = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={devices}", "-m", "steps.device_check"] if devices > 1
-              else [sys.executable, "-m", "steps.device_check"])
-    done = subprocess.run(runner + flags + ["--worker", mode], capture_output=True, text=True)
+    # The launcher's folder for the ranks' error files is removed with ``logs`` (left to
+    # itself it keeps one in the temporary directory: steps.train.relaunch).
+    with tempfile.TemporaryDirectory(prefix="unet-check-ranks-") as logs:
+        runner = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={devices}", f"--log-dir={logs}", "-m",
+                   "steps.device_check"] if devices > 1
+                  else [sys.executable, "-m", "steps.device_check"])
+        done = subprocess.run(runner + flags + ["--worker", mode], capture_output=True,
+                              text=True)
     for line in done.stdout.splitlines():
         if line.startswith(MARK):
             return json.loads(line[len(MARK):])

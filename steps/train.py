@@ -30,6 +30,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -234,23 +235,28 @@ def relaunch(argv: Sequence[str], nproc: int) -> int:
     Stopped (SIGTERM, Ctrl-C) or failing here, this process passes SIGTERM on to the launcher,
     which passes it to every rank (torch.distributed.elastic's agent: ``SignalException`` ->
     ``_shutdown``), and waits for them: the ranks clean up as a stopped step does, and no rank
-    outlives the step (a plain kill of the launcher would orphan them)."""
-    cmd = [sys.executable, "-c", _LAUNCHER, "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "steps.train", *argv]
+    outlives the step (a plain kill of the launcher would orphan them).
+
+    The launcher's folder for the ranks' error files is one this call removes: left to itself
+    it makes a ``torchelastic_*`` folder in the temporary directory and never removes it
+    (torch 2.13 ``distributed/elastic/multiprocessing/api.py``, ``DefaultLogsSpecs``)."""
     env = dict(os.environ)
     env[_CHECKED_ENV] = "1"
     env["OMP_NUM_THREADS"] = str(max(1, limits.threads() // nproc))
-    launcher = subprocess.Popen(cmd, env=env)
-    try:
-        return launcher.wait()
-    except BaseException:
-        launcher.send_signal(signal.SIGTERM)
+    with tempfile.TemporaryDirectory(prefix="unet-train-ranks-") as logs:
+        launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, "--standalone",
+                                     f"--nproc_per_node={nproc}", f"--log-dir={logs}",
+                                     "-m", "steps.train", *argv], env=env)
         try:
-            launcher.wait(timeout=RELAUNCH_STOP_S)
-        except subprocess.TimeoutExpired:
-            launcher.kill()
-            launcher.wait()
-        raise
+            return launcher.wait()
+        except BaseException:
+            launcher.send_signal(signal.SIGTERM)
+            try:
+                launcher.wait(timeout=RELAUNCH_STOP_S)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
+                launcher.wait()
+            raise
 
 
 def loader_workers(requested: int) -> int:

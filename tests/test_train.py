@@ -112,10 +112,16 @@ def test_the_first_epochs_unvalidated_and_a_constant_rate(dataset, tmp_path):
 
 
 def test_two_process_gloo_ddp_run_publishes_the_same_outputs(dataset, tmp_path):
-    model = tmp_path / "model"
-    done = train(dataset, model, "--devices", "2", "--batch-size", "4",
-                 "--steps-per-epoch", "2", "--max-epochs", "1")
+    """Two gloo ranks publish what one process does, and the launcher leaves no folder of its
+    own in the temporary directory."""
+    model, temporary = tmp_path / "model", tmp_path / "tmp"
+    temporary.mkdir()
+    done = run_step("train", "--dataset", str(dataset), "--model", str(model), *TINY,
+                    "--devices", "2", "--batch-size", "4", "--steps-per-epoch", "2",
+                    "--max-epochs", "1", env=step_env(TMPDIR=str(temporary)))
     assert done.returncode == 0, done.stderr[-3000:]
+    # torch's own compile cache (torchinductor_<user>) is there for every later run to reuse
+    assert [p.name for p in temporary.iterdir() if not p.name.startswith("torchinductor_")] == []
     metrics = json.loads((model / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["epochs"][0]["world_size"] == 2
     assert metrics["epochs"][0]["batch_size"] == 4
