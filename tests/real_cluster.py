@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -538,6 +539,13 @@ def artifact_keys(outputs: dict) -> dict[str, str]:
     """Output artifact keys; ``main-logs`` is left out (_DELIBERATE)."""
     return {a["name"]: (a.get("s3") or {}).get("key", "") for a in outputs.get("artifacts") or []
             if a["name"] != "main-logs"}
+
+
+def span_s(start: str, end: str) -> float:
+    """Seconds from ``start`` to ``end``, two of the cluster's RFC 3339 timestamps (whole
+    seconds in a workflow's and a pod's status)."""
+    return (datetime.fromisoformat(end.replace("Z", "+00:00"))
+            - datetime.fromisoformat(start.replace("Z", "+00:00"))).total_seconds()
 
 
 def argo_nodes(wf: dict) -> dict[str, dict]:

@@ -41,8 +41,8 @@ import pytest
 
 from real_cluster import (BUCKET, CFG, CONTROLLER_NAMESPACE, NAMESPACE, RUN_DIR, argo_nodes,
                           attempt_log, cli, compiled, container_statuses, controller_pods,
-                          fresh_source, kubectl, objects_of, pods_of, restart, scale_s3, unique,
-                          until, wait, WAIT_S)
+                          fresh_source, kubectl, objects_of, pods_of, restart, scale_s3, span_s,
+                          unique, until, wait, WAIT_S)
 from steps import storage
 from workflows.argo import DONE, ArgoError
 
@@ -276,8 +276,7 @@ def record(case: str, wf: dict, compare: bool = True, **facts) -> None:
     memoized after the first run, so the whole wall would not compare), beside the
     undisturbed run's (``compare``: the same parameters)."""
     train = next(n for n in wf["status"]["nodes"].values() if n["displayName"] == "train")
-    span = (datetime.fromisoformat(wf["status"]["finishedAt"]) -
-            datetime.fromisoformat(train["startedAt"])).total_seconds()
+    span = span_s(train["startedAt"], wf["status"]["finishedAt"])
     RESULTS[case] = {"workflow": wf["metadata"]["name"], "phase": wf["status"]["phase"],
                      "train_to_end_s": span, **facts}
     if compare and "undisturbed" in RESULTS and case != "undisturbed":

@@ -54,8 +54,8 @@ from workflows.versions import setting
 from real_cluster import (ARGO_URL, BUCKET, CFG, CONTROLLER_NAMESPACE, IMAGE, NAMESPACE, REPO,
                           S3_NAMESPACE, S3_PORT, STATE, api, argo_cli, argo_nodes, artifact_keys,
                           as_account, attempt_log, cli, compiled, controller_pods, empty_dir_bytes,
-                          fresh_source, keys, kubectl, node_log, pods_of, request, template,
-                          token, unique, wait)
+                          fresh_source, keys, kubectl, node_log, pods_of, request, span_s,
+                          template, token, unique, wait)
 from train_data import OPEN_GATE, STRICT_GATE, WITH_QUANTIZE
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -283,11 +283,9 @@ def first_run(argo, store) -> dict:
     """``publish``, then ``submit --watch``: the workflow as the server reports it."""
     published = cli(argo, "publish")
     assert published.returncode == 0, published.stderr
-    start = time.monotonic()
     submitted = cli(argo, "submit", "--watch", "--poll", "2")
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr[-3000:]
-    name = submitted.stdout.split()[0]
-    return {**argo.get_workflow(name), "wall_s": time.monotonic() - start}
+    return argo.get_workflow(submitted.stdout.split()[0])
 
 
 def test_the_steps_ran_on_the_pod_network_under_baseline(first_run, store):
@@ -404,11 +402,21 @@ def test_a_train_that_fails_once_is_retried_and_resumes(argo, store, local_store
     assert_agree(wf, local)
 
 
+def seconds_to(wf: dict, task: str) -> float:
+    """From the workflow's start to its DAG task ``task``'s, as the controller recorded them
+    (``span_s``)."""
+    node = next(n for n in wf["status"]["nodes"].values()
+                if n["displayName"] == task and n.get("boundaryID") == wf["metadata"]["name"])
+    return span_s(wf["status"]["startedAt"], node["startedAt"])
+
+
 def test_resubmit_takes_download_and_preprocess_from_the_configmap_cache(
         first_run, argo, local_store, tmp_path):
     """The UI's Resubmit makes a new workflow from the same spec: download and preprocess
-    are hits in the controller's ConfigMap cache, so the rerun is shorter."""
-    start = time.monotonic()
+    are hits in the controller's ConfigMap cache, so the rerun reaches train sooner. (Its
+    whole wall time is no measure: train and convert, the most of it, took 16 and 38 s in
+    the first run and 30 and 52 s in its resubmit in one CI run, as the machine's other
+    tests came and went.)"""
     name = api(argo, "resubmit", first_run["metadata"]["name"], {"memoized": False})[
         "metadata"]["name"]
     wf = wait(argo, name)
@@ -423,7 +431,8 @@ def test_resubmit_takes_download_and_preprocess_from_the_configmap_cache(
         entry = json.loads(cache["data"][key])
         assert not entry["nodeID"].startswith(name), entry["nodeID"]
         assert artifact_keys(entry["outputs"]) == table[task]["artifacts"], task
-    assert time.monotonic() - start < first_run["wall_s"]
+    sooner = seconds_to(wf, "train"), seconds_to(first_run, "train")
+    assert sooner[0] < sooner[1], sooner
     # The emulator: the same Workflow twice under the cluster's two names.
     original = first_run["metadata"]["name"]
     emulate(compiled(name=original), local_store, tmp_path / "a")

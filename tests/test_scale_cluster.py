@@ -51,7 +51,6 @@ import shutil
 import statistics
 import subprocess
 import time
-from datetime import datetime
 from pathlib import Path
 
 import onnx
@@ -64,8 +63,8 @@ from benchmarks.scale import (FULL, OVERRIDES, STEPS, drops_tar, fitted, s3_traf
                               split)
 from real_cluster import (BUCKET, CONTROLLER_NAMESPACE, NAMESPACE, NODE_ANNOTATION, STATE,
                           PodUsage, argo_nodes, compiled, container_statuses, controller_pods,
-                          empty_dir_bytes, fresh_source, kubectl, pods_of, unique, until,
-                          wait)
+                          empty_dir_bytes, fresh_source, kubectl, pods_of, span_s, unique,
+                          until, wait)
 from steps import params, schemas, synthetic
 from steps.artifacts import MANIFEST, check_manifest
 from workflows.versions import setting
@@ -156,25 +155,17 @@ def check_released_model(store, artifacts: dict[str, dict[str, str]], folder: Pa
     onnx.checker.check_model(str(folder / "unet2d.onnx"))
 
 
-def _time(stamp: str) -> datetime:
-    return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
-
-
-def _span(start: str, end: str) -> float:
-    return (_time(end) - _time(start)).total_seconds()
-
-
 def pod_times(pod: dict) -> dict:
     """Seconds, to the API's one-second resolution: creation to the first container's start,
     Argo's init container, the main container, and the wait container after main ended."""
     ended = {c["name"]: c["state"]["terminated"] for c in container_statuses(pod["status"])
              if "terminated" in c.get("state", {})}
     main, init, wait_ = ended["main"], ended.get("init"), ended.get("wait")
-    return {"pod_start_s": _span(pod["metadata"]["creationTimestamp"],
+    return {"pod_start_s": span_s(pod["metadata"]["creationTimestamp"],
                                  (init or main)["startedAt"]),
-            "init_s": _span(init["startedAt"], init["finishedAt"]) if init else 0.0,
-            "main_s": _span(main["startedAt"], main["finishedAt"]),
-            "wait_after_main_s": _span(main["finishedAt"], wait_["finishedAt"]) if wait_
+            "init_s": span_s(init["startedAt"], init["finishedAt"]) if init else 0.0,
+            "main_s": span_s(main["startedAt"], main["finishedAt"]),
+            "wait_after_main_s": span_s(main["finishedAt"], wait_["finishedAt"]) if wait_
             else 0.0}
 
 
