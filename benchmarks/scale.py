@@ -19,8 +19,8 @@ memory ratio (target at most 1.25) and its peak-RSS ratio (reported: RSS counts 
 memory-mapped files it has read, which the kernel takes back under a pod's limit); at the
 largest size each step's peak disk against the larger of its input and output artifacts
 (target at most 2: no extra full copy); and the tar's generation with one worker process
-per CPU against one. Sizes: ``UNET_BENCH_SCALE`` (cases, comma-separated; default
-30,120,750); the tars' generation is left out of every time. ``UNET_SCALE_DROP_TAR=N``
+per CPU against one. Sizes: ``UNET_BENCH_SCALE`` (cases, comma-separated, each at least 5;
+default 30,120,750; anything else refused by name); the tars' generation is left out of every time. ``UNET_SCALE_DROP_TAR=N``
 deletes the tar of each size of at least N cases once the download step has it.
 """
 from __future__ import annotations
@@ -45,6 +45,7 @@ from workflows.unet import build
 
 SIZES_ENV = "UNET_BENCH_SCALE"
 DROP_TAR_ENV = "UNET_SCALE_DROP_TAR"
+MIN_CASES = 5          # the training cases that the 5-fold split needs (split)
 STEPS = ("download", "preprocess", "train", "convert", "quantize")
 TAR = f"{synthetic.TASK}.tar"
 # Train bounded by steps; the gate opened (a model of 50 steps is no INT8 test).
@@ -58,11 +59,21 @@ SMOKE = ["preprocess.patch_size=32x32", "preprocess.workers=1", "train.steps_per
          "quantize.calibration_slices=8"]
 
 
-def sizes(settings: Settings) -> list[int]:
+def env_sizes(default: list[int]) -> list[int]:
+    """The sizes to run, in cases: ``UNET_BENCH_SCALE``'s comma-separated whole numbers, each
+    at least ``MIN_CASES``, sorted and distinct; ``default`` where it is unset or blank."""
     raw = os.environ.get(SIZES_ENV, "")
-    if raw.strip():
-        return sorted({int(n) for n in raw.split(",")})
-    return [8, 12] if settings.smoke else [30, 120, 750]
+    if not raw.strip():
+        return default
+    parts = [part.strip() for part in raw.split(",")]
+    if not all(part.isdigit() and int(part) >= MIN_CASES for part in parts):
+        raise ValueError(f"{SIZES_ENV}={raw!r}: expected cases as whole numbers, each at least "
+                         f"{MIN_CASES}, separated by commas")
+    return sorted({int(part) for part in parts})
+
+
+def sizes(settings: Settings) -> list[int]:
+    return env_sizes([8, 12] if settings.smoke else [30, 120, 750])
 
 
 def drops_tar(total: int) -> bool:
@@ -76,7 +87,7 @@ def drops_tar(total: int) -> bool:
 def split(total: int) -> tuple[int, int]:
     """(training, test) cases of ``total`` in Task01's proportion; at least the 5 training
     cases that the 5-fold split needs."""
-    train = max(5, round(total * synthetic.TRAINING_CASES
+    train = max(MIN_CASES, round(total * synthetic.TRAINING_CASES
                          / (synthetic.TRAINING_CASES + synthetic.TEST_CASES)))
     return train, max(total - train, 0)
 

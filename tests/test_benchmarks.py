@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common import Row
+from benchmarks.scale import MIN_CASES, SIZES_ENV, env_sizes, fitted, slope, split
 from emulator.executors import quantity_bytes
 from workflows.config import load_config
 
@@ -79,12 +81,28 @@ def test_smoke_runs_orchestration(tmp_path):
 def test_the_fitted_growth_exponent_takes_every_size():
     """Issue 47 fits growth on three sizes: a power law gives its exponent back, two points
     give the pair's slope, and a middle point off the line moves the fit."""
-    from benchmarks.scale import fitted, slope
     sizes = [30, 120, 750]
     assert fitted(sizes, [3 * n ** 1.3 for n in sizes]) == pytest.approx(1.3)
     assert fitted([30, 120], [16, 96]) == pytest.approx(slope(30, 16, 120, 96))
     assert fitted(sizes, [16, 96, 600]) < slope(30, 16, 120, 96)
     assert math.isnan(fitted(sizes, [1, 0, 2])) and math.isnan(fitted([30], [1]))
+
+
+def test_the_sizes_come_from_the_environment_and_a_bad_value_is_named(monkeypatch):
+    """UNET_BENCH_SCALE: whole numbers of cases, at least the 5-fold split's training cases,
+    sorted and distinct; unset or blank, the caller's default; anything else refused by name
+    before a size runs."""
+    monkeypatch.delenv(SIZES_ENV, raising=False)
+    assert env_sizes([30, 120]) == [30, 120]
+    monkeypatch.setenv(SIZES_ENV, " ")
+    assert env_sizes([8, 12]) == [8, 12]
+    monkeypatch.setenv(SIZES_ENV, " 750, 30,120,30")
+    assert env_sizes([8]) == [30, 120, 750]
+    for bad in ("abc", "30,", "4,30", "-30", "30;120", "1e3", "0"):
+        monkeypatch.setenv(SIZES_ENV, bad)
+        with pytest.raises(ValueError, match=re.escape(f"{SIZES_ENV}={bad!r}: expected")):
+            env_sizes([30])
+    assert split(MIN_CASES) == (MIN_CASES, 0) and split(MIN_CASES - 1) == (MIN_CASES, 0)
 
 
 # beyond CI since 2026-11-29: 4 min beside the cluster's tests (docs/testing.md)

@@ -59,8 +59,8 @@ import pytest
 from benchmarks.common import machine
 from benchmarks.fileserver import FileServer
 from benchmarks.orchestration import argo_breakdown
-from benchmarks.scale import (FULL, OVERRIDES, STEPS, drops_tar, fitted, s3_traffic, slope,
-                              split)
+from benchmarks.scale import (FULL, OVERRIDES, SIZES_ENV, STEPS, drops_tar, env_sizes, fitted,
+                              s3_traffic, slope, split)
 from real_cluster import (BUCKET, CONTROLLER_NAMESPACE, NAMESPACE, NODE_ANNOTATION, STATE,
                           PodUsage, argo_nodes, compiled, container_statuses, controller_pods,
                           empty_dir_bytes, fresh_source, kubectl, pods_of, span_s, unique,
@@ -72,7 +72,10 @@ from workflows.versions import setting
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.beyond_ci,
               pytest.mark.timeout(7200)]
 
-SIZES = sorted({int(n) for n in (os.environ.get("UNET_BENCH_SCALE") or "30,120").split(",")})
+try:
+    SIZES = env_sizes([30, 120])
+except ValueError as exc:       # refused as the module is collected, before a cluster starts
+    raise pytest.fail.Exception(str(exc), pytrace=False) from None
 # The dataset's bytes per byte of raw, measured: 4.63 GB of dataset from 3.19 GB of raw at 240
 # full-size cases (benchmarks/results/scale-cluster-x86_64-2cpu-amd-epyc-2026-11-30-*.json).
 DATASET_PER_RAW = 1.46
@@ -503,19 +506,28 @@ def load_ab(argo, store, cases: int) -> dict:
             "pods": pods}
 
 
-def test_the_executors_load_against_a_plain_clients_as_the_data_grows(argo, store):
+@pytest.fixture(scope="session")
+def growth_sizes() -> list[int]:
+    """SIZES, where a growth can be fitted through them: a test that lists this before the
+    cluster's fixtures is refused before the cluster starts (fixtures of one scope are made in
+    the order the test names them)."""
+    if len(SIZES) < 2:
+        pytest.fail(f"{SIZES_ENV}={','.join(map(str, SIZES))}: a growth is fitted through two "
+                    "sizes or more", pytrace=False)
+    return SIZES
+
+
+def test_the_executors_load_against_a_plain_clients_as_the_data_grows(growth_sizes, argo,
+                                                                       store):
     """Train's load grew faster than its bytes on the cluster (exponent 1.14 from 30 to 750
     cases, 2026-12-01). Whatever of that a plain client fetching the same objects the same way
     also shows is the machine's (its page cache and disk), not the executor's."""
-    if len(SIZES) < 2:
-        pytest.fail(f"UNET_BENCH_SCALE={','.join(map(str, SIZES))}: a growth is fitted "
-                    "through two sizes or more")
-    points = [load_ab(argo, store, cases) for cases in reversed(SIZES)][::-1]
+    points = [load_ab(argo, store, cases) for cases in reversed(growth_sizes)][::-1]
     cases = [point["cases"] for point in points]
     growth = {f"{side}_exponent": fitted(cases, [point[f"{side}_s"] for point in points])
               for side in ("argo", "disk", "null")}
     growth["argo_vs_disk_exponent"] = fitted(cases, [p["argo_vs_disk"] for p in points])
-    report = {"machine": machine(), "sizes": SIZES, "case_files": CASE_FILES,
+    report = {"machine": machine(), "sizes": growth_sizes, "case_files": CASE_FILES,
               "rounds": list(LOAD_ROUNDS), "points": points, "growth": growth,
               "curl": subprocess.run(["curl", "--version"], capture_output=True,
                                      text=True).stdout.splitlines()[0],
