@@ -144,10 +144,13 @@ vendor_argo_ui() {  # UI_FOLDER
 build_ui() {
   # Argo's UI as its Makefile builds it (`yarn --cwd ui build`, NODE_ENV=production), from the
   # running version's own ui/ source and frozen yarn.lock; webpack also copies ../api's schema.
-  # Only dist/app is kept (~33 MB); yarn's cache and node_modules (~1.4 GB) are dropped.
+  # Only dist/app is kept (~33 MB); yarn's cache and node_modules (~1.4 GB) are dropped, and with
+  # them the temporary directory that npm, yarn and node's packages write into (yarn--*,
+  # core-js-banners, v8-compile-cache-*: left in /tmp otherwise).
   local d="$1" v mod work yarn
   v="$(argo_version)"; mod="$(argo_module)"; work="$d/work"
-  mkdir -p "$work"; cp -r "$mod/ui" "$mod/api" "$work/"; chmod -R u+w "$work"
+  mkdir -p "$work/tmp"; cp -r "$mod/ui" "$mod/api" "$work/"; chmod -R u+w "$work"
+  export TMPDIR="$work/tmp"
   "${NICE[@]}" npm install --silent --no-audit --no-fund --prefix "$work/yarn" "yarn@$YARN_VERSION"
   yarn="$work/yarn/node_modules/.bin/yarn"
   if timeout 20 git ls-remote https://github.com/argoproj/argo-ui.git HEAD > /dev/null 2>&1; then
