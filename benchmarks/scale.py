@@ -20,8 +20,9 @@ memory-mapped files it has read, which the kernel takes back under a pod's limit
 largest size each step's peak disk against the larger of its input and output artifacts
 (target at most 2: no extra full copy); and the tar's generation with one worker process
 per CPU against one. Sizes: ``UNET_BENCH_SCALE`` (cases, comma-separated, each at least 5;
-default 30,120,750; anything else refused by name); the tars' generation is left out of every time. ``UNET_SCALE_DROP_TAR=N``
-deletes the tar of each size of at least N cases once the download step has it.
+default 30,120,750; anything else refused by name); the tars' generation is left out of
+every time. ``UNET_SCALE_DROP_TAR=N`` deletes the tar of each size of at least N cases once
+the download step has it.
 """
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def split(total: int) -> tuple[int, int]:
     """(training, test) cases of ``total`` in Task01's proportion; at least the 5 training
     cases that the 5-fold split needs."""
     train = max(MIN_CASES, round(total * synthetic.TRAINING_CASES
-                         / (synthetic.TRAINING_CASES + synthetic.TEST_CASES)))
+                                 / (synthetic.TRAINING_CASES + synthetic.TEST_CASES)))
     return train, max(total - train, 0)
 
 

@@ -165,7 +165,7 @@ def pod_times(pod: dict) -> dict:
              if "terminated" in c.get("state", {})}
     main, init, wait_ = ended["main"], ended.get("init"), ended.get("wait")
     return {"pod_start_s": span_s(pod["metadata"]["creationTimestamp"],
-                                 (init or main)["startedAt"]),
+                                  (init or main)["startedAt"]),
             "init_s": span_s(init["startedAt"], init["finishedAt"]) if init else 0.0,
             "main_s": span_s(main["startedAt"], main["finishedAt"]),
             "wait_after_main_s": span_s(main["finishedAt"], wait_["finishedAt"]) if wait_

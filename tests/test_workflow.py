@@ -14,7 +14,7 @@ from steps import params, quantize
 from steps.artifacts import write_outputs
 from workflows.cli import FOLDS, GOLDEN_FILES
 from workflows.config import load_config
-from workflows.lint import (ARGO_SCHEMAS, PYTORCHJOB_CRDS, VALIDATOR, first_file, lint,
+from workflows.lint import (ARGO_SCHEMAS, REFERENCES, VALIDATOR, first_file, lint,
                             project_rules, round_trip, schema)
 from workflows.unet import GOLDEN, build, render
 
@@ -22,14 +22,13 @@ REPO = Path(__file__).resolve().parent.parent
 REGENERATE = "python workflows/unet.py render --golden"
 needs_shared = pytest.mark.skipif(not VALIDATOR.is_file() or first_file(ARGO_SCHEMAS) is None,
                                   reason=f"{VALIDATOR} or every one of {ARGO_SCHEMAS} is absent")
-# The pinned versions' own schema and CRD, which cluster/build.sh downloads: where one is not
-# here yet, lint checks against ../shared's copy and says so in a note (CI's `lint --strict`
-# fails on such a note, so there both are here).
-OWN_REFERENCES = {"schema": ARGO_SCHEMAS[0], "crd": PYTORCHJOB_CRDS[0]}
 
 
 def missing_references() -> dict[str, Path]:
-    return {name: path for name, path in OWN_REFERENCES.items() if not path.is_file()}
+    """Per lint check, the pinned version's own reference (the first of lint's REFERENCES,
+    which cluster/build.sh downloads) where it is not here yet: lint then checks against
+    ../shared's copy and says so in a note (CI's `lint --strict` fails on such a note)."""
+    return {name: paths[0] for name, (_, paths) in REFERENCES.items() if not paths[0].is_file()}
 
 
 def _doc(*overrides, kind="workflow", profile=None) -> dict:

@@ -179,8 +179,8 @@ class SeaweedServer:
         # -logtostderr: weed's glog writes only to stderr (our log_path), where by default it
         # also leaves weed.* files in the temporary directory on every start (weed -h;
         # seaweedfs weed/glog/glog_file.go createLogDirs: -logdir, then os.TempDir()).
-        return [self.weed, "-logtostderr", "mini", f"-dir={data}", f"-ip={HOST}", f"-ip.bind={HOST}",
-                f"-s3.config={self._write_identities()}", *ports,
+        return [self.weed, "-logtostderr", "mini", f"-dir={data}", f"-ip={HOST}",
+                f"-ip.bind={HOST}", f"-s3.config={self._write_identities()}", *ports,
                 "-admin.ui=false", "-webdav=false",
                 "-volume.preStopSeconds=0", "-master.volumePreallocate=false",
                 "-master.volumeSizeLimitMB=1024", f"-volume.max={MAX_VOLUMES}",
