@@ -86,7 +86,8 @@ _VALIDATOR = re.compile(r'"[\x21\x23-\x7e]{0,200}"|[A-Za-z]{3}, \d{2} [A-Za-z]{3
 
 class _Redirects(HTTPRedirectHandler):
     """urllib's redirects held to what the download speaks: http and https only, never from
-    https down to http, at most MAX_REDIRECTS; anything else is one line saying why."""
+    https down to http, never to a URL with credentials in it (http.client would echo them in
+    its error), at most MAX_REDIRECTS; anything else is one line saying why."""
 
     max_redirections = MAX_REDIRECTS
 
@@ -97,6 +98,8 @@ class _Redirects(HTTPRedirectHandler):
             why = f"to the scheme '{new or '(none)'}', which the download does not speak"
         elif old == "https" and new == "http":
             why = "from https down to http"
+        elif uris.has_credentials(newurl):
+            why = "to a URL with credentials in it"
         elif len(getattr(req, "redirect_dict", {})) >= MAX_REDIRECTS:
             why = f"more than {MAX_REDIRECTS} times"
         if why:

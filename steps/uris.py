@@ -72,11 +72,16 @@ def redact(text: str) -> str:
     return head + mark + query + hash_ + fragment
 
 
+def has_credentials(text: str) -> bool:
+    """Whether ``text`` holds a URL with ``user:password@`` (or a bare ``token@``)."""
+    return _USERINFO.search(str(text)) is not None
+
+
 def refuse_credentials(text: str, flag: str, instead: str) -> None:
     """A URL with ``user:password@`` (or a bare ``token@``) is refused where a Secret or an
     environment variable belongs (``instead`` says which): it would be echoed, logged and
     written into the compiled workflow."""
-    if _USERINFO.search(str(text)):
+    if has_credentials(text):
         raise StepError(f"{flag} '{redact(text)}': credentials in a URL are not accepted "
                         f"({instead})")
 

@@ -141,6 +141,21 @@ def test_redirects_leave_only_for_http_and_https_and_say_why(target, needle, tmp
     assert server.requests <= 6 and not error_lines(err)[0].endswith(": ")
 
 
+def test_a_redirect_to_a_url_with_credentials_is_refused_without_echoing_them(tmp_path, capsys):
+    """http.client took the password for a port and put it in its error line (``nonnumeric
+    port: 'S3cretPassw0rd@127.0.0.1'``), which no URL redaction can find."""
+    server = _Http(_handler(_redirect_to(lambda h: "http://alice:S3cretPassw0rd@127.0.0.1/x.tar")))
+    try:
+        err = _refused_leaving(tmp_path, download.main, ["--source", server.url, "--raw",
+                                                         tmp_path / "raw", "--md5", "",
+                                                         "--no-progress"], capsys,
+                               "302 redirects to a URL with credentials in it")
+    finally:
+        server.close()
+    assert "S3cretPassw0rd" not in err and "alice" not in err
+    assert server.requests == 1
+
+
 def test_a_redirect_from_https_down_to_http_is_refused():
     from urllib.request import Request
     handler = download._Redirects()
