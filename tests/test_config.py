@@ -231,6 +231,36 @@ def test_values_that_would_become_template_or_bad_names_are_refused(override, ne
     assert needle in message and "\n" not in message
 
 
+CREDENTIALS = [
+    ("resources.extra_env.AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI0K7MDENGbPxRfiCYEXAMPLEKEY",
+     "must not name a credential (AWS_SECRET_ACCESS_KEY:", "wJalrXUtnFEMI0K7MDENG"),
+    ("resources.extra_env.HF_TOKEN=hf_abcdefgh12345678", "(HF_TOKEN:", "hf_abcdefgh"),
+    ("resources.extra_env.HTTPS_PROXY=http://bob:Pr0xyPass@proxy:3128",
+     "HTTPS_PROXY holds credentials in a URL", "Pr0xyPass"),
+    ("resources.extra_env.HTTPS_PROXY=http://tok3nTok3n@proxy:3128",
+     "HTTPS_PROXY holds credentials in a URL", "tok3nTok3n"),
+    ("resources.extra_env.SETTING=AKIAABCDEFGHIJKLMNOP", "SETTING holds an AWS access key id",
+     "AKIAABCDEFGHIJKLMNOP"),
+]
+
+
+@pytest.mark.parametrize("override,needle,secret", CREDENTIALS, ids=[c[1][:30] for c in CREDENTIALS])
+def test_a_credential_in_extra_env_is_refused_without_echoing_it(override, needle, secret):
+    """extra_env's values are written into every template of the compiled YAML as literals;
+    render, submit and publish never run lint, so the config refuses them."""
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[override])
+    message = str(info.value)
+    assert needle in message and "resources.extra_env" in message and "\n" not in message
+    assert secret not in message
+
+
+def test_extra_env_keeps_its_tuning_values():
+    env = load_config(overrides=["resources.extra_env.HTTPS_PROXY=http://proxy:3128"]
+                      ).resources.extra_env
+    assert env["HTTPS_PROXY"] == "http://proxy:3128" and "GLIBC_TUNABLES" in env
+
+
 def test_control_characters_are_refused_and_escaped_in_the_line():
     with pytest.raises(ConfigError) as info:
         load_config(overrides=['resources.extra_env={X: "a\\u0007b"}'])

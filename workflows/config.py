@@ -46,6 +46,31 @@ _TAG = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$"
 _LABEL_KEY = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
 _LABEL_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
 _TEMPLATE = re.compile(r"\{\{|\}\}")
+# What marks a credential, by its variable's name or by its shape. A literal one in
+# resources.extra_env would be written into the compiled YAML (_no_credentials refuses it);
+# lint looks for the same in any compiled document.
+SECRET_NAME = re.compile(r"(SECRET|PASSWORD|PASSWD|TOKEN|ACCESS_KEY|PRIVATE_KEY|API_KEY)",
+                         re.IGNORECASE)
+SECRET_PATTERNS = {
+    "an AWS access key id": re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b"),
+    "a private key": re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
+    "credentials in a URL": re.compile(r"\b[a-z][a-z0-9+.-]*://[^/\s:@{}]+:[^/\s@{}]+@"),
+}
+
+
+def _no_credentials(env: dict[str, str]) -> dict[str, str]:
+    """``resources.extra_env`` as literal values may be: none named or shaped as a
+    credential. The message names the variable, never its value."""
+    for name, value in env.items():
+        if SECRET_NAME.search(name):
+            raise ValueError(f"must not name a credential ({name}: a literal value would be "
+                             "written into the compiled workflow; give it through a Secret)")
+        for what, pattern in SECRET_PATTERNS.items():
+            if pattern.search(value) or (what == "credentials in a URL"
+                                         and uris.has_credentials(value)):
+                raise ValueError(f"must not hold a credential ({name} holds {what}, which "
+                                 "would be written into the compiled workflow)")
+    return env
 
 
 def _no_dot_segments(value: str) -> str:
@@ -286,8 +311,8 @@ class Resources(_Strict):
     handoff: StepResources = Field(StepResources(cpu="1", memory="2Gi", timeout="2h"),
                                    description="multi-node only: share-dataset, collect-model")
     train: TrainResources = TrainResources()
-    extra_env: dict[EnvName, str] = Field({}, description="literal env for every step "
-                                                          "(tuning)")
+    extra_env: Annotated[dict[EnvName, str], AfterValidator(_no_credentials)] = Field(
+        {}, description="literal env for every step (tuning; never a credential)")
 
 
 class Config(_Strict):

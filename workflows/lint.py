@@ -18,6 +18,7 @@ from hera.workflows import Workflow, WorkflowTemplate
 from jsonschema import Draft7Validator
 
 from steps.storage import CREDENTIAL_VARS
+from workflows.config import SECRET_NAME, SECRET_PATTERNS
 from workflows.pod_rules import pod_rules, pytorch_jobs
 from workflows.versions import module_file, pin
 
@@ -39,13 +40,6 @@ PYTORCHJOB_CRDS = (module_file("github.com/kubeflow/training-operator", OPERATOR
 REFERENCES = {"schema": (f"Argo {ARGO_VERSION}", ARGO_SCHEMAS),
               "crd": (f"training operator {OPERATOR_VERSION}", PYTORCHJOB_CRDS)}
 CREDENTIAL_ENV = CREDENTIAL_VARS + ("ARGO_TOKEN", "MINIO_ROOT_PASSWORD", "MINIO_ROOT_USER")
-_SECRET_NAME = re.compile(r"(SECRET|PASSWORD|PASSWD|TOKEN|ACCESS_KEY|PRIVATE_KEY|API_KEY)",
-                          re.IGNORECASE)
-_SECRET_PATTERNS = {
-    "an AWS access key id": re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b"),
-    "a private key": re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
-    "credentials in a URL": re.compile(r"\b[a-z][a-z0-9+.-]*://[^/\s:@{}]+:[^/\s@{}]+@"),
-}
 CHECKS = ("round-trip", "schema", "crd", "artifacts", "parameters", "secrets", "images",
           "pods", "references")
 _PARAM = re.compile(r"\{\{\s*workflow\.parameters\.([\w-]+)\s*\}\}")
@@ -253,12 +247,12 @@ def no_literal_secrets(doc: dict, env: dict | None = None) -> list[str]:
         for name, secret in values.items():
             if secret in value:
                 problems.append(f"secrets: {path} contains the value of ${name}")
-        for what, pattern in _SECRET_PATTERNS.items():
+        for what, pattern in SECRET_PATTERNS.items():
             if pattern.search(value):
                 problems.append(f"secrets: {path} contains {what}")
     for tmpl in doc["spec"]["templates"]:
         for var in (tmpl.get("container") or {}).get("env", []):
-            if "value" in var and _SECRET_NAME.search(var["name"]):
+            if "value" in var and SECRET_NAME.search(var["name"]):
                 problems.append(f"secrets: template {tmpl['name']} sets {var['name']} to a "
                                 "literal value (use valueFrom.secretKeyRef)")
     return problems
