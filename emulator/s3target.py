@@ -17,7 +17,8 @@ from typing import Callable, Iterator, Mapping
 from urllib.parse import urlsplit
 
 from emulator.errors import LocalRunError
-from steps.storage import CONNECTION_VARS, DEFAULT_REGION
+from steps import uris
+from steps.storage import CONNECTION_VARS, DEFAULT_REGION, ENDPOINT_VARS
 from workflows.s3server import SeaweedError, SeaweedServer
 
 
@@ -83,9 +84,13 @@ def _scrub(text: str, target: S3Target) -> str:
 def open_target(env: Mapping[str, str], bucket: str, state_dir: Path,
                 log: Callable[[str], None]) -> Iterator[S3Target]:
     """Yield the run's S3; an embedded server lives exactly as long as the ``with``."""
-    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    name = next((n for n in ENDPOINT_VARS if env.get(n)), None)
+    endpoint = env[name] if name else None
     region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or DEFAULT_REGION
     if endpoint:
+        # Printed below, recorded in result.json and handed to every step, which refuses it.
+        uris.refuse_credentials(endpoint, name, "set AWS_ACCESS_KEY_ID and "
+                                                "AWS_SECRET_ACCESS_KEY instead")
         key, secret = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
         if not key or not secret:
             raise LocalRunError(f"AWS_ENDPOINT_URL is {endpoint} but AWS_ACCESS_KEY_ID or "

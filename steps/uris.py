@@ -33,10 +33,16 @@ SYNTHETIC_DEFAULTS = {"cases": 10, "shape": "240x240x155", "seed": 0, "test": 0}
 MIN_SHAPE = (24, 24, 12)    # the smallest synthetic case (steps.synthetic)
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-_SECRET_QUERY = re.compile(r"sig|token|key|credential|secret|password|auth", re.IGNORECASE)
+_SECRET_QUERY = re.compile(r"sig|token|key|credential|secret|pass|pwd|auth", re.IGNORECASE)
 # scheme://userinfo@ : the authority up to its last '@'. The scheme's length is bounded so
 # that a long run of letters costs linear time, not quadratic backtracking.
 _USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^/?#\s]*@")
+# scheme://user:password@ with a '/', '?' or '#' left unescaped in the password, which ends
+# the authority for urlsplit (and for _USERINFO) before its '@': a user part and a ':' that
+# does not start a port (digits, then the path, query, fragment or the end), searched for in
+# a run of text before its last '@' (_loose_userinfo), so that the cost stays linear.
+_USER_COLON = re.compile(r"([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s@:/?#]*:(?!\d*(?:[/?#]|$))")
+_RUN = re.compile(r"\S+")
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,7 @@ def redact(text: str) -> str:
     """``text`` safe to print, whatever it is: the userinfo of any ``scheme://user:pw@``
     becomes ``***@``, and secret-looking query values ``***``. The one redaction: every URL
     a step, the CLI or an error line prints goes through it."""
-    text = _USERINFO.sub(r"\1***@", str(text))
+    text = _RUN.sub(_loose_userinfo, _USERINFO.sub(r"\1***@", str(text)))
     head, mark, rest = text.partition("?")
     query, hash_, fragment = rest.partition("#")
     pairs = parse_qsl(query, keep_blank_values=True)
@@ -74,7 +80,16 @@ def redact(text: str) -> str:
 
 def has_credentials(text: str) -> bool:
     """Whether ``text`` holds a URL with ``user:password@`` (or a bare ``token@``)."""
-    return _USERINFO.search(str(text)) is not None
+    text = str(text)
+    return _USERINFO.search(text) is not None or _RUN.sub(_loose_userinfo, text) != text
+
+
+def _loose_userinfo(run: re.Match) -> str:
+    """A run of text with ``scheme://user:`` before its last '@' redacted up to that '@'."""
+    text = run.group(0)
+    head = text[:text.rfind("@")]
+    found = _USER_COLON.search(head) if head else None
+    return text if found is None else text[:found.end(1)] + "***" + text[len(head):]
 
 
 def refuse_credentials(text: str, flag: str, instead: str) -> None:

@@ -33,7 +33,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from conftest import REPO, assert_one_error_line
-from steps import convert, download, handoff, preprocess, quantize, synthetic, train
+from steps import convert, download, handoff, preprocess, quantize, synthetic, train, uris
 from steps.artifacts import MANIFEST, require, write_manifest
 from steps.checkpoints import CheckpointStore
 from steps.errors import StepError, run_main
@@ -200,6 +200,54 @@ def test_credentials_in_a_source_url_are_refused_and_never_echoed(tmp_path, caps
                                        "--no-progress"], capsys, "--source", "credentials")
         assert SECRET not in line
     assert not (tmp_path / "raw").exists()
+
+
+@pytest.mark.parametrize("mark", ["/", "#", "?"])
+def test_a_password_with_an_unescaped_delimiter_is_refused_and_never_echoed(mark, tmp_path,
+                                                                          capsys):
+    """``/``, ``#`` or ``?`` in a password ends the authority for urlsplit before its '@', so
+    the URL read as host 'user', port '<first part>': the whole of it was echoed."""
+    cut = len(SECRET) // 2
+    uri = f"https://user:{SECRET[:cut]}{mark}{SECRET[cut:]}@127.0.0.1:9/Task01_BrainTumour.tar"
+    line = refused(download.main, ["--source", uri, "--raw", tmp_path / "raw", "--no-progress"],
+                   capsys, "--source", "credentials")
+    assert SECRET[:cut] not in line and SECRET[cut:] not in line
+    assert uris.redact(f"see {uri} ") == "see https://***@127.0.0.1:9/Task01_BrainTumour.tar "
+
+
+@pytest.mark.parametrize("url", ["https://host:8080/a@b.tar", "http://127.0.0.1:9/x@y/z.tar",
+                                 "s3://bucket/user@example.org/x.tar", "https://h/a:b@c"])
+def test_an_at_sign_in_a_path_is_not_taken_for_credentials(url):
+    assert not uris.has_credentials(url) and uris.redact(url) == url
+
+
+@pytest.mark.parametrize("key", ["pass", "passwd", "pwd", "password", "token", "X-Amz-Signature"])
+def test_a_secret_looking_query_value_is_redacted(key):
+    assert uris.redact(f"https://h/x.tar?{key}={SECRET}&a=1") == f"https://h/x.tar?{key}=***&a=1"
+
+
+@pytest.mark.parametrize("text", [("https://a:" + "b" * 50) * 20_000,
+                                  ("https://a:" + "b" * 50) * 20_000 + "@",
+                                  "https://x" * 150_000 + ":"])
+def test_redaction_takes_linear_time_on_a_megabyte_line(text):
+    """A backtracking rule took minutes on the first of these (quadratic in the run)."""
+    started = time.monotonic()
+    uris.redact(text), uris.has_credentials(text)
+    assert time.monotonic() - started < 5
+
+
+def test_a_local_runs_s3_endpoint_with_credentials_is_refused_without_echo(monkeypatch,
+                                                                          tmp_path, capsys):
+    """The local runner printed it, recorded it in result.json and handed it to every step."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://key:{SECRET}@127.0.0.1:9")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret-key")
+    status, err = call(cli.main, ["run", "--local", "--run-dir", tmp_path / "run",
+                                  "--output-dir", tmp_path / "out"], capsys)
+    assert status == 2 and SECRET not in err
+    assert_one_error_line(err, "AWS_ENDPOINT_URL", "credentials in a URL are not accepted")
+    for path in tmp_path.rglob("*"):
+        assert not path.is_file() or SECRET.encode() not in path.read_bytes(), path
 
 
 def test_render_refuses_a_source_with_credentials(tmp_path, capsys):
