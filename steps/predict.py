@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import re
+import secrets
 import sys
 import threading
 import time
@@ -303,18 +305,29 @@ NIFTI_SUFFIXES = (".nii.gz", ".nii")   # what nibabel writes as NIfTI-1 by the n
 
 
 def write_label(labels: np.ndarray, affine: np.ndarray, path: Path) -> None:
-
+    """Write ``labels`` as a uint8 NIfTI at ``path`` completely or not at all: through a
+    fresh temporary file beside it (a random name made with O_EXCL: never an existing file,
+    so never an input), renamed into place; removed on any failure, SIGTERM's ``Stopped``
+    included."""
     image = nib.Nifti1Image(labels, affine)
     image.set_data_dtype(np.uint8)
-    tmp = path.with_name(path.name + ".part" + "".join(path.suffixes))
+    # nibabel picks the format by the name's ending, so the temporary name keeps it.
+    suffix = next((s for s in NIFTI_SUFFIXES if path.name.endswith(s)), ".nii")
+    tmp: Path | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        nib.save(image, str(tmp))
-        tmp.replace(path)
+        name = path.parent / f".{path.name}.{secrets.token_hex(8)}.part{suffix}"
+        os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        tmp = name
+        nib.save(image, str(name))
+        os.replace(name, path)
+        tmp = None
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
         raise StepError(f"--out {path}: cannot write it ({exc.strerror or exc})") from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
 
 
 # -------------------------------------------------------------------------------- CLI

@@ -6,6 +6,7 @@ the model card, the .pt2 in a clean process, ``predict`` on a NIfTI case and one
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -333,6 +334,60 @@ def test_predict_refuses_wrong_channel_count(built, tmp_path):
                            str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
     _assert_one_line_error(done.returncode, done.stderr, "has 3 channels, the model needs 4")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("clash", ["image", "onnx"])
+def test_predict_never_writes_through_an_input_named_like_its_temporary_name(built, tmp_path,
+                                                                             clash):
+    """An input named like the old fixed temporary name (``<out>.part<suffix>``) is left
+    byte-for-byte alone, and the prediction still lands at --out."""
+    _, task, _, _, exported = built
+    image = next((task / "imagesTr").glob("*.nii.gz"))
+    onnx_path = exported / "unet2d.onnx"
+    folder = tmp_path / "d"
+    folder.mkdir()
+    if clash == "image":
+        out = folder / "x.nii.gz"
+        kept = image = folder / "x.nii.gz.part.nii.gz"
+        image.write_bytes(next((task / "imagesTr").glob("*.nii.gz")).read_bytes())
+    else:
+        out = folder / "y.nii"
+        kept = onnx_path = folder / "y.nii.part.nii"
+        onnx_path.write_bytes((exported / "unet2d.onnx").read_bytes())
+    before = kept.read_bytes()
+    code = run_main(predict.main, ["--onnx", str(onnx_path), "--image", str(image),
+                                   "--out", str(out)])
+    assert code == 0
+    assert kept.read_bytes() == before
+    assert nib.load(out).shape == nib.load(image).shape[:3]
+    assert sorted(p.name for p in folder.iterdir()) == sorted([kept.name, out.name])
+
+
+@pytest.mark.parametrize("fault", ["SIGTERM", "exception"])
+def test_predict_stopped_while_saving_leaves_nothing(built, tmp_path, capsys, monkeypatch,
+                                                     fault):
+    """SIGTERM (run_main's Stopped) or an unexpected error while nibabel writes the label
+    map: neither --out nor the temporary file beside it is left behind."""
+    _, task, _, _, exported = built
+    image = next((task / "imagesTr").glob("*.nii.gz"))
+    real_save = nib.save
+
+    def save_then_fail(img, filename, *args, **kwargs):
+        real_save(img, filename, *args, **kwargs)      # a partly or fully written file
+        assert Path(filename).is_file()
+        if fault == "SIGTERM":
+            signal.raise_signal(signal.SIGTERM)       # run_main's handler raises Stopped
+        raise RuntimeError("disk went away")
+
+    monkeypatch.setattr(nib, "save", save_then_fail)
+    folder = tmp_path / "out"
+    out = folder / "label.nii.gz"
+    code = run_main(predict.main, ["--onnx", str(exported / "unet2d.onnx"), "--image",
+                                   str(image), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == (128 + signal.SIGTERM if fault == "SIGTERM" else 1), err[-2000:]
+    assert not out.exists()
+    assert not folder.exists() or list(folder.iterdir()) == []
 
 
 def test_bad_parameters_are_one_line_errors(built, tmp_path, capsys):
