@@ -32,7 +32,7 @@ import tempfile
 import time
 from typing import Any, Sequence
 
-from steps import params
+from steps import limits, params
 from steps.errors import OneLineArgumentParser, run_main
 
 # torch, Habana's bridge and the training modules are imported inside the functions that
@@ -126,11 +126,13 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     world = int(os.environ.get("WORLD_SIZE", 1))
     info = devices.select_device(args.device, args.precision, args.worker,
                                  int(os.environ.get("LOCAL_RANK", 0)))
+    threads = limits.set_threads(limits.threads())    # this rank's share (spawn)
     if world > 1:
         devices.init_distributed(info)
     result = train_losses(args, info, world)
     lazy = devices.lazy_mode_in_effect() if info.kind == "hpu" else None
     result.update(kind=info.kind, precision=info.precision, devices=world, mode=args.worker,
+                  threads=threads,
                   mode_in_effect=("lazy" if lazy else "compile") if lazy is not None else
                   "unknown" if info.kind == "hpu" else args.worker)
     if world > 1:
@@ -152,8 +154,10 @@ def spawn(args: argparse.Namespace, mode: str, devices: int) -> dict[str, Any]:
                    f"--nproc_per_node={devices}", f"--log-dir={logs}", "-m",
                    "steps.device_check"] if devices > 1
                   else [sys.executable, "-m", "steps.device_check"])
+        # Each rank an equal share of the CPUs this process has, as steps.train.relaunch.
+        share = {"OMP_NUM_THREADS": str(max(1, limits.threads() // devices))}
         done = subprocess.run(runner + flags + ["--worker", mode], capture_output=True,
-                              text=True)
+                              text=True, env={**os.environ, **share})
     for line in done.stdout.splitlines():
         if line.startswith(MARK):
             return json.loads(line[len(MARK):])

@@ -710,18 +710,20 @@ TINY_CHECK = ["--steps", "3", "--warmup", "1", "--batch", "2", "--size", "32", "
 @pytest.mark.slow
 def test_device_check_on_the_cpu_reports_every_run_and_passes(tmp_path):
     """The acceptance check a Gaudi user runs first, here on the CPU: one device and two
-    (gloo under torch.distributed.run), each with img/s, compiles, mode and loss parity."""
+    (gloo under torch.distributed.run), each with img/s, compiles, mode and loss parity,
+    its threads sized to the CPUs it is given (a pod's UNET_CPUS) and shared by its ranks."""
     report, temporary = tmp_path / "report.json", tmp_path / "tmp"
     temporary.mkdir()
     done = subprocess.run([sys.executable, "-m", "steps.device_check", "--device", "cpu",
                            "--devices", "2", "--json", str(report), *TINY_CHECK],
                           cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TMPDIR": str(temporary)})
+                          env={**os.environ, "TMPDIR": str(temporary), "UNET_CPUS": "1"})
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     # the launcher left no folder of its own (torch's compile cache stays, for later runs)
     assert [p.name for p in temporary.iterdir() if not p.name.startswith("torchinductor_")] == []
     result = json.loads(report.read_text())
     assert result["ok"] and [r["devices"] for r in result["runs"]] == [1, 2]
+    assert [r["threads"] for r in result["runs"]] == [1, 1]
     for run in result["runs"]:
         assert run["problems"] == [] and run["img_per_s"] > 0
         assert run["parity"] <= 1e-3 and run["compiles_end"] == run["compiles_warmup"]
