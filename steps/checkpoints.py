@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from steps import storage, uris
+from steps import limits, storage, uris
 from steps.errors import StepError
 
 LATEST = "latest"
@@ -94,18 +94,34 @@ def deserialize(data: bytes, source: str) -> dict[str, Any]:
 
 
 class CheckpointStore:
-    """Checkpoints under ``uri`` (``s3://bucket/prefix`` or a local directory)."""
+    """Checkpoints under ``uri`` (``s3://bucket/prefix`` or a local directory).
+
+    A local directory is created by the first write, never by opening or reading the store:
+    a store that is only read (train's ``--resume-from``, a refused run's ``--checkpoint-uri``)
+    is left as it was, absent included. A path that could never become a directory (a file
+    in its place or above it) is refused here, before any work."""
 
     def __init__(self, uri: str, flag: str = "checkpoint URI"):
         parsed = uris.parse(uri, flag, uris.CHECKPOINT_KINDS)
         self.s3 = parsed.kind == "s3"
+        self.flag, self.text = flag, parsed.text
         self.uri = parsed.text.rstrip("/") if self.s3 else str(parsed.path).rstrip("/") or "/"
         if not self.s3:
-            try:
-                Path(self.uri).mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise StepError(f"{flag} {parsed.text}: cannot create {self.uri} "
-                                f"({exc.strerror or exc})") from None
+            place = Path(self.uri)
+            while not place.exists() and place != place.parent:
+                place = place.parent
+            if not place.is_dir():
+                self._cannot_create("Not a directory")
+
+    def _cannot_create(self, reason: str) -> None:
+        raise StepError(f"{self.flag} {self.text}: cannot create {self.uri} ({reason})")
+
+    def _create(self) -> None:
+        """The local directory, made before its first write."""
+        try:
+            Path(self.uri).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self._cannot_create(exc.strerror or str(exc))
 
     def _join(self, name: str) -> str:
         """The place of the file ``name``: one path segment (names can come from a saved
@@ -121,6 +137,7 @@ class CheckpointStore:
             _storage().put_bytes(data, self._join(name))
             return
         target = Path(self._join(name))
+        self._create()
         fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.uri)
         try:
             with os.fdopen(fd, "wb") as handle:
@@ -154,10 +171,19 @@ class CheckpointStore:
                 raise StepError(f"{path} is {size} bytes, more than the {limit} allowed")
             return handle.read()
 
+    def size(self, name: str) -> int | None:
+        """The size of ``name`` in bytes (an S3 object's ContentLength), None when absent."""
+        if self.s3:
+            return _storage().size(self._join(name))
+        path = Path(self._join(name))
+        return path.stat().st_size if path.is_file() else None
+
     def names(self) -> list[str]:
         if self.s3:
             keys = _storage().list_keys(self.uri + "/")
             return sorted(str(key).rstrip("/").rsplit("/", 1)[-1] for key in keys)
+        if not Path(self.uri).is_dir():         # not created yet: nothing written
+            return []
         return sorted(p.name for p in Path(self.uri).iterdir() if p.is_file())
 
     def delete(self, name: str) -> None:
@@ -195,10 +221,18 @@ class CheckpointStore:
         return self.load(name)
 
     def load(self, name: str) -> dict[str, Any]:
-        data = self.read_bytes(name)
-        if data is None:
-            raise StepError(f"checkpoint {self._join(name)} is named by "
+        """The checkpoint ``name``, its size held to ``max_checkpoint_bytes`` before a byte
+        of it is read (the file's size, an S3 object's ContentLength; the read itself stops
+        at the limit too)."""
+        missing = StepError(f"checkpoint {self._join(name)} is named by "
                             f"{self._join(LATEST)} but missing")
+        size = self.size(name)
+        if size is None:
+            raise missing
+        limits.check("max_checkpoint_bytes", size, f"checkpoint {self._join(name)}")
+        data = self.read_bytes(name, limit=limits.get("max_checkpoint_bytes"))
+        if data is None:
+            raise missing
         return deserialize(data, self._join(name))
 
     def prune(self, current: str | None = None, keep_best: str | None = None) -> None:

@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import platform
 import subprocess
 import sys
@@ -88,16 +89,20 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def load_checkpoint(model_dir: Path) -> dict[str, Any]:
     """Verify the `model` artifact and return its ``best.pt`` dict (tensors on CPU)."""
 
-    require(model_dir, "model")
     path = model_dir / CHECKPOINT
+    if path.is_file():      # bounded before the manifest check reads it whole for its hash
+        limits.check("max_checkpoint_bytes", path.stat().st_size, str(path))
+    require(model_dir, "model")
     if not path.is_file():
         raise StepError(f"artifact 'model' at {model_dir}: {CHECKPOINT} is missing")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # pickle, zip and unpickler errors all mean "unreadable"
-        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-        raise StepError(f"{path}: not a readable checkpoint ({type(exc).__name__}: "
-                        f"{reason})") from None
+    with path.open("rb") as handle:     # the size of the file that torch reads
+        limits.check("max_checkpoint_bytes", os.fstat(handle.fileno()).st_size, str(path))
+        try:
+            ckpt = torch.load(handle, map_location="cpu", weights_only=True)
+        except Exception as exc:  # pickle, zip and unpickler errors all mean "unreadable"
+            reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            raise StepError(f"{path}: not a readable checkpoint ({type(exc).__name__}: "
+                            f"{reason})") from None
     schemas.validate(schemas.ModelCheckpoint, ckpt, str(path))
     return ckpt
 
@@ -457,10 +462,6 @@ def _check_channels(ckpt: dict[str, Any], config, meta: dict[str, Any], path: Pa
                         f"dataset has {len(meta['labels'])} labels")
 
 
-def _write_json(path: Path, value: Any) -> None:
-    path.write_text(json.dumps(value, indent=1) + "\n")
-
-
 @dataclass
 class Inputs:
     """Everything read and checked before anything is written."""
@@ -538,9 +539,10 @@ def verify(out: Path, inputs: Inputs) -> dict[str, Any]:
 
 def write_results(out: Path, inputs: Inputs, parity: dict[str, Any], versions: dict) -> None:
     contract = preprocessing_contract(inputs.meta, inputs.config.size_multiple())
-    _write_json(out / PARITY_FILE, parity)
-    _write_json(out / CARD_FILE, model_card(inputs.ckpt, inputs.config, inputs.meta, contract,
-                                            parity, inputs.provenance, versions))
+    schemas.write_json(out / PARITY_FILE, parity)
+    card = model_card(inputs.ckpt, inputs.config, inputs.meta, contract, parity,
+                      inputs.provenance, versions)
+    schemas.write_json(out / CARD_FILE, card)
     write_outputs(out, STEP, {"max_abs_diff": f"{parity['onnx']['max_abs_diff']:.3g}",
                               "argmax_agreement": f"{parity['onnx']['argmax_agreement']:.6f}"})
 

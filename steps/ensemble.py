@@ -212,9 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with publish(args.ensemble, "exported", STEP, {"folds": len(folders)}) as out:
         onnx.save(with_postprocessing(merged(models), groups), str(out / predict.ONNX_FILE))
         figures = parity(out / predict.ONNX_FILE, folders, args.dataset, n_classes)
-        (out / PARITY_FILE).write_text(json.dumps(figures, indent=1) + "\n")
-        (out / predict.CARD_FILE).write_text(
-            json.dumps(card(cards, folders, figures, pooled, groups), indent=1) + "\n")
+        schemas.write_json(out / PARITY_FILE, figures)
+        schemas.write_json(out / predict.CARD_FILE,
+                           card(cards, folders, figures, pooled, groups))
         if args.pooled:     # the release's own copy of the table it was judged by
             for source, name in ((evaluate.POOLED_FILE, CV_FILE), (evaluate.POOLED_PAGE, CV_PAGE)):
                 shutil.copyfile(args.pooled / source, out / name)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import html
-import json
 import sys
 import time
 from pathlib import Path
@@ -230,7 +229,8 @@ def read_result(folder: Path) -> dict[str, Any]:
 def pooled(results: list[dict[str, Any]]) -> dict[str, Any]:
     """The folds' held-out cases pooled, as nnU-Net's cross-validation summary: each fold
     scored by its own model (``trained_on_by`` 0), no fold twice, no case in two folds; the
-    means over every case, and each fold's own."""
+    means over every case, and each fold's own. Each case holds every label's and region's
+    figures (schemas.CaseFigures, checked by :func:`read_result`)."""
     folds = [r["fold"] for r in results]
     if len(set(folds)) != len(folds):
         raise StepError(f"--evaluation: folds {folds}: a fold is given twice")
@@ -249,13 +249,6 @@ def pooled(results: list[dict[str, Any]]) -> dict[str, Any]:
     if odd:
         raise StepError(f"--evaluation: case '{odd}' has other figures than the rest "
                         f"({names})")
-    labels = set(metrics.LABELS.values())
-    short = next((n for n, f in cases.items() if not labels <= set(f["dice"])
-                  or set(f["largest_component"]) != set(metrics.VARIANTS)
-                  or any(not labels <= set(v) for v in f["largest_component"].values())), None)
-    if short:
-        raise StepError(f"--evaluation: case '{short}' lacks a label's Dice, raw or with "
-                        f"largest components kept ({sorted(labels)}, {list(metrics.VARIANTS)})")
     return {"format_version": FORMAT_VERSION, "folds": folds, "cases": cases,
             "per_fold": {str(r["fold"]): {"cases": len(r["cases"]), "mean": r["mean"]}
                          for r in results}, **means(cases.values()),
@@ -290,7 +283,8 @@ def postprocessing_lines(decision: dict[str, Any]) -> str:
         ("then_per_label", "then each label's largest component"))]
     head = "".join(f"<th>Dice {html.escape(n)}</th>" for n in metrics.LABELS.values())
     body = "".join(f"<tr><th>{html.escape(t)}</th>" + "".join(
-        f"<td>{dice[n]:.4f}</td>" for n in metrics.LABELS.values()) + "</tr>\n"
+        f"<td>{'–' if dice[n] is None else f'{dice[n]:.4f}'}</td>"
+        for n in metrics.LABELS.values()) + "</tr>\n"
         for t, dice in rows)
     return (f"<h2>Postprocessing (nnU-Net v1's rule, on these pooled cases)</h2>\n"
             f"<p>Keep the foreground's largest connected component: "
@@ -312,7 +306,7 @@ def pool_main(argv: Sequence[str]) -> int:
                    {f"--evaluation {e}": e for e in args.evaluation})
     result = pooled([read_result(folder) for folder in args.evaluation])
     with publish(args.pooled, "pooled-evaluation", STEP, {"folds": result["folds"]}) as out:
-        (out / POOLED_FILE).write_text(json.dumps(result, indent=1) + "\n")
+        schemas.write_json(out / POOLED_FILE, result)
         (out / POOLED_PAGE).write_text(pooled_page(result))
         write_outputs(out, STEP, region_outputs(result))
     dice = result["mean"]["dice"]
@@ -405,7 +399,7 @@ def evaluate_fold(args: argparse.Namespace, folders: list[Path], dataset: Source
     result = summary(per_case, fold, inference, models, dataset.manifest_sha256())
     recorded = {"fold": fold, "overlap": args.overlap, "mirroring": args.mirroring}
     with publish(args.evaluation, "evaluation", STEP, recorded) as out:
-        (out / RESULT_FILE).write_text(json.dumps(result, indent=1) + "\n")
+        schemas.write_json(out / RESULT_FILE, result)
         plot_overlays(slices.samples(), out / OVERLAYS_FILE)
         (out / PAGE_FILE).write_text(page(result))
         write_outputs(out, STEP, region_outputs(result))

@@ -56,6 +56,11 @@ LIMITS = {limit.name: limit for limit in (
           "cases of a dataset.json or a synthetic:// source"),
     Limit("max_json_bytes", 64 * MiB, "bytes",
           "one JSON metadata file (dataset.json, MANIFEST.json, model-card.json)"),
+    # The anchors' network (32 filters, 6 levels) checkpoints with its AdamW state in about
+    # 240 MiB; the largest network the checkpoint schema accepts in about 1.1 GiB.
+    Limit("max_checkpoint_bytes", 4 * GiB, "bytes",
+          "one checkpoint (train's ckpt-*.pt and best-epoch*.pt, convert's best.pt), by its "
+          "file size or S3 ContentLength before it is read"),
     Limit("max_tar_header_bytes", 1 * MiB, "bytes",
           "one metadata block of a tar archive (a PAX header, a GNU long name), which is "
           "read whole into memory"),

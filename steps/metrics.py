@@ -141,7 +141,11 @@ def label_dice(prediction: np.ndarray, truth: np.ndarray) -> dict[str, float]:
 def decide_postprocessing(cases: Iterable[dict]) -> dict:
     """nnU-Net v1's decision (above) over cases that each hold ``dice`` per label (raw) and
     ``largest_component`` (:func:`postprocessed`'s variants' label Dice); means as nnU-Net's,
-    leaving out a label's both-empty cases (keeping components never empties a mask)."""
+    leaving out a label's both-empty cases (keeping components never empties a mask).
+    A label that every case lacks has no mean: NaN in the comparisons, so that, as in
+    nnU-Net v1 (whose nanmean gives NaN there and ``>``/``<`` on it are false), it neither
+    gains nor loses and is never chosen; None in ``mean_dice`` (JSON null, as
+    ``mean_nnunet``'s)."""
     cases = list(cases)
 
     def mean(variant: str | None) -> dict[str, float]:
@@ -158,8 +162,13 @@ def decide_postprocessing(cases: Iterable[dict]) -> dict:
     before = foreground if whole else raw
     after = mean("foreground_then_per_label" if whole else "per_label")
     labels = [n for n in raw if after[n] > before[n]]
+
+    def shown(table: dict[str, float]) -> dict[str, float | None]:
+        return {n: None if math.isnan(v) else v for n, v in table.items()}
+
     return {"foreground_largest_component": whole, "largest_component_labels": labels,
-            "mean_dice": {"raw": raw, "foreground": foreground, "then_per_label": after},
+            "mean_dice": {"raw": shown(raw), "foreground": shown(foreground),
+                          "then_per_label": shown(after)},
             "rule": "nnU-Net v1 determine_postprocessing, dice_threshold 0"}
 
 

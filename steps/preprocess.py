@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import math
 import multiprocessing
 import shutil
@@ -596,7 +595,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cases = [_saved(entry, staging, saver) for entry in results]
         meta = dataset_json(task, cases, args, patch)
         check_metadata(meta, f"{DATASET_JSON} for {args.dataset}")   # what train reads
-        (staging / DATASET_JSON).write_text(json.dumps(meta, indent=1) + "\n")
+        schemas.write_json(staging / DATASET_JSON, meta)
         if saver:
             saver.saved()            # every case uploaded before publish moves the folder
     total = bykey.artifact_bytes(args.dataset, saver)

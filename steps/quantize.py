@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import hashlib
 import io
-import json
 import logging
 import re
 import sys
@@ -51,7 +50,7 @@ from onnxruntime.quantization import (CalibrationMethod, QuantFormat, QuantType,
                                       quantize_static)
 from onnxruntime.quantization.shape_inference import quant_pre_process
 
-from steps import limits, params, predict
+from steps import limits, params, predict, schemas
 from steps.artifacts import check_disjoint, publish, require, write_outputs
 from steps.dataset import Case, Source, fold_names, open_cases, read_dataset
 from steps.errors import StepError, run_main
@@ -430,10 +429,10 @@ def quantize_and_gate(args: argparse.Namespace, card: dict[str, Any], dataset: S
                                                 "InstanceNormalization, LeakyRelu and Concat "
                                                 "run in float32"},
                   "gate": bounds, "figures": figures}
-        (out / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
+        schemas.write_json(out / REPORT_FILE, report)
         card["quantization"] = {k: report[k] for k in ("format", "files", "calibration",
                                                        "float_layers", "gate")}
-        (out / CARD_FILE).write_text(json.dumps(card, indent=1) + "\n")
+        schemas.write_json(out / CARD_FILE, card)
         write_outputs(out, STEP, {"int8_mean_dice": f"{figures['int8']['mean_dice']:.4f}",
                                   "int8_speedup": f"{figures['int8']['speedup']:.2f}"})
     return figures

@@ -29,6 +29,7 @@ the value they passed in, which strict validation leaves exactly as checked.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -93,6 +94,34 @@ def read_json(path: Path | str, where: str) -> Any:
     except OSError as exc:
         raise StepError(f"{where} cannot be read ({exc.strerror or exc})") from None
     return parse_json(data, where)
+
+
+def write_json(path: Path, value: Any) -> None:
+    """``value`` as the JSON file ``path``, as :func:`read_json` will accept it: strict JSON
+    (a NaN, an infinity or an object that is not JSON data is a StepError naming the file and
+    the key, and nothing is written), within ``max_json_bytes``. Every JSON file that a step
+    publishes is written here."""
+    try:
+        text = json.dumps(value, indent=1, allow_nan=False) + "\n"
+    except (TypeError, ValueError) as exc:
+        place = _non_finite(value)
+        reason = f"{place} is not a finite number" if place else str(exc)
+        raise StepError(f"{path.name}: {reason} (JSON has none); not published") from None
+    limits.check("max_json_bytes", len(text.encode()), f"{path.name} as written")
+    path.write_text(text)
+
+
+def _non_finite(value: Any) -> str | None:
+    """The dotted key of the first NaN or infinity in JSON-like ``value``, else None."""
+    stack = [(value, "")]
+    while stack:
+        node, at = stack.pop()
+        if isinstance(node, float) and not math.isfinite(node):
+            return at or "the top level"
+        items = node.items() if isinstance(node, dict) else \
+            enumerate(node) if isinstance(node, (list, tuple)) else ()
+        stack.extend((v, f"{at}.{k}" if at else str(k)) for k, v in reversed(list(items)))
+    return None
 
 
 def validate(schema: type[Model], value: Any, where: str) -> Model:
@@ -271,10 +300,59 @@ class TrainConfig(Schema):
     fold: Fold = 0
 
 
+MAX_DATA_DEPTH = 16     # a checkpoint's metrics nest 3 deep (epochs, a record, its Dice)
+
+
+class JsonData(Schema):
+    """A map from a checkpoint that convert copies into ``model-card.json``: JSON data only
+    (maps with string keys, lists, strings, booleans, None and finite numbers, at most
+    MAX_DATA_DEPTH deep), so that the card is strict JSON that its readers accept."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_data(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value                  # the schema names that problem itself
+        stack = [(value, (), 1)]
+        while stack:
+            node, path, depth = stack.pop()
+            here = ".".join(str(part) for part in path) or "the map"
+            if isinstance(node, (dict, list, tuple)):
+                if depth > MAX_DATA_DEPTH:
+                    raise ValueError(f"{here} is nested deeper than {MAX_DATA_DEPTH} levels")
+                items = node.items() if isinstance(node, dict) else enumerate(node)
+                for key, child in items:
+                    if isinstance(node, dict) and not isinstance(key, str):
+                        raise ValueError(f"{here} has a key of type {type(key).__name__}, "
+                                         "not a string")
+                    stack.append((child, (*path, key), depth + 1))
+            elif isinstance(node, float) and not -float("inf") < node < float("inf"):
+                raise ValueError(f"{here} is {node}, not a finite number")
+            elif node is not None and not isinstance(node, (str, int, float)):
+                raise ValueError(f"{here} is a {type(node).__name__}, not JSON data (a "
+                                 "number, string, boolean, null, list or map)")
+        return value
+
+
+class CheckpointTrainConfig(TrainConfig, JsonData):
+    """``train_config`` of ``best.pt``: train's flags, copied into the model card."""
+
+
+class TrainingMetrics(JsonData):
+    """``metrics`` of ``best.pt`` (``steps.train.write_model``), copied into the model card."""
+    best_mean_dice: Finite | None = None
+    best_epoch: Count | None = None
+    fold: Fold | None = None
+    epochs: list[dict[str, Any]] = []
+    epoch: dict[str, Any] | None = None
+
+
 class ModelCheckpoint(HasNetwork):
     """``best.pt``/``last.pt`` of the ``model`` artifact (``steps.train.model_payload``)."""
     model_state: dict[str, Tensor]
-    train_config: TrainConfig = TrainConfig()
+    train_config: CheckpointTrainConfig = CheckpointTrainConfig()
+    metrics: TrainingMetrics = TrainingMetrics()
+    dataset_manifest_sha256: Sha256 | None = None
     format_version: Literal[1] = 1
     channels: Channels | None = None
     labels: Labels | None = None
@@ -341,18 +419,37 @@ class ModelCard(Schema):
     folds: list[Fold] | None = Field(None, min_length=2, max_length=N_FOLDS)
 
 
+def _having(*names: str):
+    """A map that holds at least the keys ``names`` (others are ignored, as newer keys)."""
+    def check(table: dict) -> dict:
+        missing = [n for n in names if n not in table]
+        if missing:
+            raise ValueError(f"lacks {missing} (needs {list(names)})")
+        return table
+    return AfterValidator(check)
+
+
+_LABEL_NAMES = tuple(metrics.LABELS.values())
+_DICE_NAMES = (*_LABEL_NAMES, *metrics.REGIONS)      # each label and each BraTS region
+_HD95_NAMES = tuple(metrics.REGIONS)
+
+
 class CaseFigures(Schema):
-    dice: dict[str, Finite]
-    hd95: dict[str, Finite]
+    """One case's figures (steps.metrics.case_metrics): Dice of every label and region, HD95
+    of every region, as the pool's means, page and outputs index them."""
+    dice: Annotated[dict[str, Finite], _having(*_DICE_NAMES)]
+    hd95: Annotated[dict[str, Finite], _having(*_HD95_NAMES)]
     empty: list[str]
     # each label's Dice with largest components kept (steps.metrics.postprocessed)
-    largest_component: dict[Literal[metrics.VARIANTS], dict[str, Finite]]
+    largest_component: Annotated[
+        dict[Literal[metrics.VARIANTS], Annotated[dict[str, Finite], _having(*_LABEL_NAMES)]],
+        _having(*metrics.VARIANTS)]
 
 
 class Means(Schema):
     """Means over cases; None where no case is left (nnU-Net's mean of a label no case has)."""
-    dice: dict[str, Finite | None]
-    hd95: dict[str, Finite | None]
+    dice: Annotated[dict[str, Finite | None], _having(*_DICE_NAMES)]
+    hd95: Annotated[dict[str, Finite | None], _having(*_HD95_NAMES)]
 
 
 class Evaluation(Schema):

@@ -351,6 +351,12 @@ def exists(uri: str, client=None) -> bool:
     return _head(client or client_for(uri), uri, "checking") is not None
 
 
+def size(uri: str, client=None) -> int | None:
+    """The object's size in bytes (its ContentLength), None when it is missing."""
+    head = _head(client or client_for(uri), uri, "reading")
+    return None if head is None else int(head.get("ContentLength", 0))
+
+
 def list_objects(uri: str, client=None) -> dict[str, tuple[int, str]]:
     """Key → (size, ETag) of every object under the prefix ``uri`` (as a directory:
     's3://b/a' lists 'a/...'), in key order."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
 import random
@@ -92,8 +91,12 @@ def check_args(args: argparse.Namespace) -> None:
     params.check_uris(args, params.TRAIN)
     store = uris.parse(args.checkpoint_uri, "--checkpoint-uri", uris.CHECKPOINT_KINDS).path \
         if args.checkpoint_uri else None
+    # --resume-from is only read (an earlier run's checkpoints): an input, which neither the
+    # model nor this run's checkpoints (written, and pruned) may equal, hold or sit inside.
+    resume = uris.parse(args.resume_from, "--resume-from", uris.CHECKPOINT_KINDS).path \
+        if args.resume_from else None
     check_disjoint({"--model": args.model, "--checkpoint-uri": store},
-                   {"--dataset": args.dataset})
+                   {"--dataset": args.dataset, "--resume-from": resume})
 
 
 def check_batch_memory(args: argparse.Namespace, meta: dict[str, Any]) -> None:
@@ -622,6 +625,11 @@ class Trainer:
             schemas.validate(schemas.BestWeights, best, where)
             check_state(self.net.state_dict(), best["model_state"], where)
             self.best_state = best["model_state"]
+            if self.store is not None and self.rank == 0 and uri != self.args.checkpoint_uri:
+                # This run's checkpoints name the best file until an epoch beats it: it must
+                # be in this run's store, which a later resume reads alone.
+                self.store.write_bytes(state["best_file"], serialize(
+                    {"model_state": best["model_state"], "epoch": best["epoch"]}))
         if self.rank == 0:
             print(f"resumed from {uri} at epoch {self.progress.epoch}, step "
                   f"{self.progress.step}", file=sys.stderr)
@@ -817,7 +825,7 @@ def write_model(plan: Plan, trainer: Trainer, samples: list[dict[str, Any]]) -> 
                    out / "best.pt")
         torch.save(model_payload(plan, last_state, {**metrics, "epoch": last}),
                    out / "last.pt")
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+        schemas.write_json(out / "metrics.json", metrics)
         write_report(out / params.REPORT_FOLDER, metrics, labels, samples)
         write_outputs(out, STEP, {"mean_dice": f"{p.best_dice:.4f}",
                                   "best_epoch": str(p.best_epoch),

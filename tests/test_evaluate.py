@@ -16,9 +16,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from steps import evaluate, metrics, predict
+from steps import evaluate, metrics, predict, schemas
 from steps.artifacts import publish, require
 from steps.dataset import open_cases, read_metadata
+from steps.errors import StepError
 from train_data import make_dataset, run_step
 
 N_CLASSES = 4
@@ -267,6 +268,69 @@ def test_the_pool_joins_the_folds_held_out_cases(labelled, pool_of_two, tmp_path
     assert mixed.returncode == 2 and "fold 1 was scored by models that trained on its cases" \
         in mixed.stderr, mixed.stderr
     assert not (tmp_path / "twice").exists() and not (tmp_path / "mixed").exists()
+
+
+def rewritten(evaluation, folder, change):
+    """``evaluation``'s ``evaluation.json`` after ``change(result)``, as an ``evaluation``
+    artifact at ``folder``."""
+    result = json.loads((evaluation / evaluate.RESULT_FILE).read_text())
+    change(result)
+    with publish(folder, "evaluation", "evaluate", {}) as out:
+        (out / evaluate.RESULT_FILE).write_text(json.dumps(result))
+    return folder
+
+
+def test_a_label_no_held_out_case_has_pools_to_null_not_nan(pool_of_two, tmp_path):
+    """Edema absent (truth and prediction) from every pooled case: nnU-Net's means of it,
+    the postprocessing's included, have no case left; pooled.json says null (as mean_nnunet
+    does), which the ensemble's reader takes, never NaN, and the decision leaves edema be."""
+    def no_edema(result):
+        for figures in result["cases"].values():
+            figures["empty"] = sorted(set(figures["empty"]) | {"edema"})
+
+    folds = [rewritten(f, tmp_path / f"e{k}", no_edema) for k, f in enumerate(pool_of_two[0])]
+    out = tmp_path / "pooled"
+    done = run_step("evaluate", "pool", "--evaluation", *map(str, folds), "--pooled", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    where = f"{out}/{evaluate.POOLED_FILE}"
+    result = schemas.read_json(out / evaluate.POOLED_FILE, where)     # steps.ensemble's reader
+    schemas.validate(schemas.Pooled, result, where)
+    decision = result["postprocessing"]
+    assert {v["edema"] for v in decision["mean_dice"].values()} == {None}
+    assert decision["mean_dice"]["raw"]["enhancing"] == 1.0
+    assert "edema" not in decision["largest_component_labels"]
+    assert result["mean_nnunet"]["dice"]["edema"] is None
+    assert "NaN" not in (out / evaluate.POOLED_PAGE).read_text()
+
+
+def test_a_nan_figure_is_refused_not_written(tmp_path):
+    """Every JSON evaluate writes is strict: a NaN is one StepError naming file and key."""
+    path = tmp_path / evaluate.POOLED_FILE
+    with pytest.raises(StepError, match=r"pooled\.json: postprocessing\.mean_dice\.raw\.edema"):
+        schemas.write_json(path, {"postprocessing": {"mean_dice": {"raw": {
+            "edema": float("nan"), "enhancing": 1.0}}}})
+    assert not path.exists()
+
+
+def test_the_pool_refuses_cases_without_the_regions_figures(pool_of_two, tmp_path):
+    """Every case's Dice has the three labels but no WT/TC/ET (it was a KeyError, exit 1):
+    the reader refuses the first such file (one line naming it, exit 2), before the pool
+    indexes a region."""
+    def labels_only(result):
+        for figures in result["cases"].values():
+            for region in metrics.REGIONS:
+                del figures["dice"][region]
+
+    bad = [rewritten(f, tmp_path / f"labels-only{k}", labels_only)
+           for k, f in enumerate(pool_of_two[0])]
+    out = tmp_path / "pooled"
+    done = run_step("evaluate", "pool", "--evaluation", *map(str, bad), "--pooled", str(out))
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: artifact 'evaluation' at {bad[0]}: {evaluate.RESULT_FILE}: cases."), done.stderr
+    assert ".dice: lacks ['WT', 'TC', 'ET']" in lines[0], lines[0]
+    assert "Traceback" not in done.stderr and not out.exists()
 
 
 # ------------------------------------------------------------------------- the ensemble

@@ -151,16 +151,29 @@ def test_dataset_metadata_reader(data_dir, capsys, doc):
     ends_cleanly(capsys, read)
 
 
+def _good_evaluation() -> dict:
+    """An evaluation that reads and pools: what the fuzzing breaks."""
+    labels = {"edema": 0.5, "non-enhancing": 1.0, "enhancing": 0.25}
+    regions = {"WT": 0.5, "TC": 1.0, "ET": 0.25}
+    figures = {"dice": {**regions, **labels}, "hd95": {r: 2.0 for r in regions}, "empty": ["TC"],
+               "largest_component": {v: labels for v in metrics.VARIANTS}}
+    return {"format_version": 1, "fold": 2, "trained_on_by": 0,
+            "cases": {"BRATS_001": figures, "BRATS_002": figures},
+            "mean": {"dice": {**regions, **labels}, "hd95": {r: 2.0 for r in regions}},
+            "mean_nnunet": {"dice": {**regions, **labels, "TC": None},
+                            "hd95": {r: 2.0 for r in regions}}}
+
+
+def test_the_fuzzed_evaluation_pools_unbroken(tmp_path):
+    (tmp_path / evaluate.RESULT_FILE).write_text(json.dumps(_good_evaluation()))
+    write_manifest(tmp_path, "evaluation", "evaluate", {})
+    assert evaluate.pooled([evaluate.read_result(tmp_path)])["folds"] == [2]
+
+
 @settings(**SETTINGS)
 @given(doc=st.data())
 def test_evaluation_reader_and_pool(tmp_path, capsys, doc):
-    labels = {"edema": 0.5, "non-enhancing": 1.0, "enhancing": 0.25}
-    figures = {"dice": {"WT": 0.5, "TC": 1.0, **labels}, "hd95": {"WT": 2.0}, "empty": ["TC"],
-               "largest_component": {v: labels for v in metrics.VARIANTS}}
-    good = {"format_version": 1, "fold": 2, "trained_on_by": 0,
-            "cases": {"BRATS_001": figures, "BRATS_002": figures},
-            "mean": {"dice": {"WT": 0.5}, "hd95": {"WT": 2.0}},
-            "mean_nnunet": {"dice": {"WT": 0.5, "TC": None}, "hd95": {"WT": 2.0}}}
+    good = _good_evaluation()
     (tmp_path / evaluate.RESULT_FILE).write_bytes(doc.draw(broken(good)))
     write_manifest(tmp_path, "evaluation", "evaluate", {})
     ends_cleanly(capsys, lambda: evaluate.pooled([evaluate.read_result(tmp_path)]))

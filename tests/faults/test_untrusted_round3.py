@@ -13,10 +13,12 @@ from pathlib import Path
 import botocore.exceptions as bexc
 import numpy as np
 import pytest
+import torch
 from tqdm import tqdm
 
 from conftest import REPO, assert_one_error_line, error_lines
-from steps import checkpoints, convert, download, handoff, quantize, storage, train
+from steps import (checkpoints, convert, download, handoff, quantize, schemas, storage,
+                   train)
 from steps.artifacts import write_manifest
 from steps.errors import StepError, one_line, run_main
 from test_untrusted_inputs import _handler, _Http, call, fake_model, nifti_file, onnx_model
@@ -537,3 +539,157 @@ def test_sigterm_stops_an_endless_model(tmp_path):
     # the step named as docs/operations.md shows it, not as __main__ (python -m)
     assert "error: steps.convert: stopped by SIGTERM" in err and "Traceback" not in err
     assert not (tmp_path / "label.nii.gz").exists()
+
+
+# ===================================== 10: a checkpoint is untrusted input (issue 37, round 4)
+@pytest.fixture(scope="module")
+def ckpt_dataset(tmp_path_factory) -> Path:
+    return make_dataset(tmp_path_factory.mktemp("ckpt-data"), cases=5, shape="32x32x16",
+                        seed=3, patch="32x32")
+
+
+_TINY = ["--device", "cpu", "--base-filters", "4", "--levels", "4", "--num-workers", "0",
+         "--max-epochs", "1", "--steps-per-epoch", "1"]
+
+
+def _tensor():
+    import torch
+    return torch.tensor([1.0])
+
+
+@pytest.mark.parametrize("fields, needles", [
+    (lambda: {"metrics": {"best_mean_dice": float("nan")}},
+     ("metrics", "best_mean_dice", "finite")),
+    (lambda: {"metrics": {"epochs": [{"loss": float("inf")}]}}, ("metrics", "epochs.0.loss")),
+    (lambda: {"metrics": {"best_mean_dice": _tensor()}}, ("metrics", "best_mean_dice", "Tensor")),
+    (lambda: {"train_config": {"fold": 0, "lr": _tensor()}}, ("train_config", "lr", "Tensor")),
+    (lambda: {"dataset_manifest_sha256": 7}, ("dataset_manifest_sha256",)),
+])
+def test_checkpoint_fields_the_model_card_copies_are_checked(fields, needles, ckpt_dataset,
+                                                              tmp_path, capsys):
+    """convert copies best.pt's metrics, train_config and dataset digest into model-card.json:
+    a NaN there was published (and quantize then refused the card), a tensor was exit 1."""
+    model = fake_model(tmp_path / "model", **fields())
+    _refused_leaving(tmp_path, convert.main, ["--model", model, "--dataset", ckpt_dataset,
+                                              "--exported", tmp_path / "exported"],
+                     capsys, "best.pt", *needles)
+
+
+def test_the_model_card_is_written_as_strict_json_or_not_at_all(tmp_path, monkeypatch):
+    """schemas.write_json, which writes every JSON file a step publishes."""
+    card = tmp_path / "model-card.json"
+    with pytest.raises(StepError, match=r"model-card.json: training\.metrics\.best_mean_dice is "
+                                        "not a finite number"):
+        schemas.write_json(card, {"training": {"metrics": {"best_mean_dice": float("nan")}}})
+    with pytest.raises(StepError, match="model-card.json: Object of type Tensor is not JSON"):
+        schemas.write_json(card, {"training": {"metrics": {"best_mean_dice": torch.ones(1)}}})
+    monkeypatch.setenv("UNET_MAX_JSON_BYTES", "64")
+    with pytest.raises(StepError, match="model-card.json as written.*max_json_bytes"):
+        schemas.write_json(card, {"training": "x" * 64})
+    assert not card.exists()
+
+
+def _sparse(path: Path, size: int = 1 << 40) -> Path:
+    """``path`` as a file of ``size`` bytes that takes no disk (a hole)."""
+    with open(path, "wb") as handle:
+        handle.truncate(size)
+    return path
+
+
+def test_a_checkpoint_over_the_size_limit_is_refused_before_it_is_read(ckpt_dataset, tmp_path,
+                                                                      capsys):
+    """A 1 TiB ckpt-*.pt named by latest: read whole, it was MemoryError and a traceback."""
+    store = tmp_path / "ck"
+    store.mkdir()
+    _sparse(store / checkpoints.checkpoint_name(1))
+    (store / checkpoints.LATEST).write_text(checkpoints.checkpoint_name(1))
+    _refused_leaving(tmp_path, train.main,
+                     ["--dataset", ckpt_dataset, "--model", tmp_path / "out", *_TINY,
+                      "--resume-from", store],
+                     capsys, "ckpt-0000000001.pt", "max_checkpoint_bytes",
+                     "UNET_MAX_CHECKPOINT_BYTES")
+
+
+def test_convert_bounds_best_pt_before_hashing_or_loading_it(ckpt_dataset, tmp_path, capsys):
+    model = fake_model(tmp_path / "model")
+    _sparse(model / "best.pt")               # the manifest's hash would read 1 TiB first
+    start = time.monotonic()
+    _refused_leaving(tmp_path, convert.main, ["--model", model, "--dataset", ckpt_dataset,
+                                              "--exported", tmp_path / "exported"],
+                     capsys, "best.pt", "UNET_MAX_CHECKPOINT_BYTES")
+    assert time.monotonic() - start < 30
+
+
+def test_an_s3_checkpoint_is_bounded_by_its_content_length(s3_env, monkeypatch):
+    s3 = s3_env
+    store = checkpoints.CheckpointStore(f"s3://{s3.bucket}/round4/ck-{time.time_ns()}")
+    store.write_bytes(checkpoints.checkpoint_name(1), b"x" * 5000)
+    store.write_bytes(checkpoints.LATEST, checkpoints.checkpoint_name(1).encode())
+    monkeypatch.setenv("UNET_MAX_CHECKPOINT_BYTES", "4096")
+    fetched = []
+    original = storage.get_bytes
+    monkeypatch.setattr(storage, "get_bytes", lambda uri, *a, **k: fetched.append(uri) or
+                        original(uri, *a, **k))
+    with pytest.raises(StepError, match="5000 bytes .*UNET_MAX_CHECKPOINT_BYTES"):
+        store.load_latest()
+    assert not any(uri.endswith(".pt") for uri in fetched), fetched
+
+
+@pytest.mark.parametrize("flag, inside", [("--model", "model"), ("--checkpoint-uri", ""),
+                                          ("--checkpoint-uri", "sub")])
+def test_an_output_in_the_resume_from_store_is_refused(flag, inside, ckpt_dataset, tmp_path,
+                                                       capsys):
+    """--resume-from is an input: the model was published inside it, and this run's
+    checkpoints (pruned as they go) would replace the earlier run's."""
+    resume = tmp_path / "ckC"
+    resume.mkdir()
+    output = resume / inside if inside else resume
+    argv = ["--dataset", ckpt_dataset, *_TINY, "--resume-from", resume, flag, output]
+    if flag != "--model":
+        argv += ["--model", tmp_path / "out"]
+    _refused_leaving(tmp_path, train.main, argv, capsys, flag, "--resume-from", "overlap")
+
+
+def test_a_store_that_is_only_read_is_never_created(ckpt_dataset, tmp_path, capsys):
+    """A mistyped --resume-from was refused but left its folders made; so was this run's
+    --checkpoint-uri, though the run never wrote a checkpoint."""
+    _refused_leaving(tmp_path, train.main,
+                     ["--dataset", ckpt_dataset, "--model", tmp_path / "out", *_TINY,
+                      "--checkpoint-uri", tmp_path / "ck-new",
+                      "--resume-from", tmp_path / "typo" / "ckpts"],
+                     capsys, "--resume-from", "no checkpoint found there")
+
+
+def test_a_run_resumed_from_another_store_keeps_its_best_weights_in_its_own(ckpt_dataset,
+                                                                           tmp_path, capsys):
+    """B resumes from A's store into its own and does not beat A's best epoch: B's
+    checkpoints name best-epoch0001.pt, which was only in A's store, so resuming B (its own
+    store, as an Argo retry does) failed: 'best-epoch0001.pt is named by .../latest but
+    missing'."""
+    first, second = tmp_path / "ckA", tmp_path / "ckB"
+    tiny = ["--dataset", ckpt_dataset, *_TINY, "--patience", "0", "--checkpoint-minutes", "0"]
+    assert run_main(train.main, [str(a) for a in [*tiny, "--model", tmp_path / "mA",
+                                                  "--checkpoint-uri", first]]) == 0
+    # A learning rate of 1e-12 leaves the weights, and so the validation Dice, as they were.
+    assert run_main(train.main, [str(a) for a in [
+        *tiny, "--max-epochs", "2", "--learning-rate", "1e-12", "--model", tmp_path / "mB",
+        "--checkpoint-uri", second, "--resume-from", first]]) == 0
+    latest = checkpoints.CheckpointStore(str(second)).load_latest()
+    assert latest["progress"]["epoch"] == 2 and latest["best_file"] == "best-epoch0001.pt"
+    capsys.readouterr()
+    status = run_main(train.main, [str(a) for a in [
+        *tiny, "--max-epochs", "3", "--model", tmp_path / "mC", "--checkpoint-uri", second]])
+    err = capsys.readouterr().err
+    assert status == 0, err[-2000:]
+    assert f"resumed from {second} at epoch 2" in err
+
+
+def test_a_local_store_is_made_by_its_first_write(tmp_path):
+    store = checkpoints.CheckpointStore(str(tmp_path / "a" / "ck"))
+    assert store.load_latest() is None and store.names() == []
+    assert not (tmp_path / "a").exists()
+    store.save({"step": 1}, 1)
+    assert store.names() == [checkpoints.checkpoint_name(1), checkpoints.LATEST]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StepError, match="cannot create .*Not a directory"):
+        checkpoints.CheckpointStore(str(tmp_path / "file" / "ck"))
