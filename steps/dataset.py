@@ -205,7 +205,9 @@ def fold_names(meta: dict[str, Any], fold: int) -> tuple[list[str], list[str]]:
 def _load(path: Path, where: str) -> np.ndarray:
     try:
         return np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError, EOFError) as exc:
+    # OverflowError: a negative dimension in the header (mmap's length); TypeError: one that
+    # is not an integer.
+    except (OSError, ValueError, EOFError, OverflowError, TypeError) as exc:
         raise StepError(f"{where}: {path.name} is not a readable .npy array ({exc})") from None
 
 

@@ -151,6 +151,36 @@ def test_dataset_metadata_reader(data_dir, capsys, doc):
     ends_cleanly(capsys, read)
 
 
+def _npy_header(shape: str, descr: str) -> bytes:
+    """A version 1.0 .npy header, as numpy writes one, stating any ``shape`` text."""
+    text = f"{{'descr': {descr}, 'fortran_order': False, 'shape': {shape}, }}"
+    text += " " * (-(len(text) + 11) % 64) + "\n"
+    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text.encode("latin1")
+
+
+@pytest.mark.parametrize("shape, descr", [
+    ("(4, -2, 24, 24)", "'<f2'"), ("(4, 12, -24, -24)", "'<f2'"), ("(4, 12, 24.5, 24)", "'<f2'"),
+    ("(4, 12, 'x', 24)", "'<f2'"), ("(4, 12, 24, 2**62)", "'<f2'"), ("(4, 12, 24, 24)", "'<V0'"),
+    ("(4, 12, 24, 24)", "'O'"), ("((4,), 12)", "'<f2'"), ("()", "'<f2'")])
+def test_a_case_array_with_a_hostile_header_is_one_line(data_dir, tmp_path, capsys, shape, descr):
+    """A case's .npy header stating a negative dimension was exit 1 ('memory mapped length
+    must be positive', an OverflowError); each of these is one line naming the case."""
+    copy_ = tmp_path / "dataset"
+    shutil.copytree(data_dir, copy_)
+    meta = json.loads((copy_ / "dataset.json").read_text())
+    victim = copy_ / meta["cases"][0]["image"]
+    victim.write_bytes(_npy_header(shape, descr) + b"\0" * 4096)
+
+    def main(_argv) -> int:
+        dataset.open_cases(copy_, meta)
+        return 0
+
+    status = run_main(main)
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err, err[-3000:]
+    assert len(err.strip().splitlines()) == 1 and meta["cases"][0]["name"] in err, err
+
+
 def _good_evaluation() -> dict:
     """An evaluation that reads and pools: what the fuzzing breaks."""
     labels = {"edema": 0.5, "non-enhancing": 1.0, "enhancing": 0.25}
