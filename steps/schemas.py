@@ -285,7 +285,9 @@ class Network(Schema):
 
     @model_validator(mode="after")
     def _heads(self) -> "Network":
-        if self.deep_supervision_heads > self.levels - 2:
+        """MONAI's DynUNet rule (``check_deep_supr_num``), where it builds the heads: only
+        with deep supervision on."""
+        if self.deep_supervision and self.deep_supervision_heads > self.levels - 2:
             raise ValueError(f"deep_supervision_heads {self.deep_supervision_heads} needs "
                              f"more than {self.levels} levels")
         return self

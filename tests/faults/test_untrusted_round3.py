@@ -684,6 +684,22 @@ def test_a_run_resumed_from_another_store_keeps_its_best_weights_in_its_own(ckpt
     assert f"resumed from {second} at epoch 2" in err
 
 
+def test_a_network_without_deep_supervision_converts_at_any_depth(ckpt_dataset, tmp_path):
+    """train --levels 3 --deep-supervision false published a model (MONAI builds no heads
+    without deep supervision) that convert and a resume refused: 'deep_supervision_heads 2
+    needs more than 3 levels'."""
+    common = ["--dataset", ckpt_dataset, *_TINY, "--levels", "3", "--deep-supervision",
+              "false", "--checkpoint-minutes", "0"]
+    assert run_main(train.main, [str(a) for a in [*common, "--model", tmp_path / "model",
+                                                  "--checkpoint-uri", tmp_path / "ck"]]) == 0
+    assert run_main(convert.main, [str(a) for a in [
+        "--model", tmp_path / "model", "--dataset", ckpt_dataset,
+        "--exported", tmp_path / "exported"]]) == 0
+    assert run_main(train.main, [str(a) for a in [*common, "--max-epochs", "2", "--model",
+                                                  tmp_path / "model2", "--checkpoint-uri",
+                                                  tmp_path / "ck"]]) == 0
+
+
 def test_a_local_store_is_made_by_its_first_write(tmp_path):
     store = checkpoints.CheckpointStore(str(tmp_path / "a" / "ck"))
     assert store.load_latest() is None and store.names() == []
