@@ -104,7 +104,9 @@ def _first_line(exc: BaseException) -> str:
 def check_graph(path: Path | str) -> None:
     """Every operator of the model (its subgraphs included) in :data:`OP_DOMAINS`, checked
     before anything runs it: onnxruntime's quantization tools would otherwise meet a
-    custom-domain operator halfway through calibration."""
+    custom-domain operator halfway through calibration. Its size is held to the memory first:
+    onnx.load holds the file and the graph parsed from it, onnxruntime's session a third."""
+    limits.check_memory(3 * Path(path).stat().st_size, f"--onnx {path}")
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # noqa: BLE001 - protobuf's and onnx's own error types

@@ -17,8 +17,8 @@ import torch
 from tqdm import tqdm
 
 from conftest import REPO, assert_one_error_line, error_lines
-from steps import (checkpoints, convert, download, handoff, quantize, schemas, storage,
-                   train)
+from steps import (checkpoints, convert, download, handoff, limits, predict, quantize, schemas,
+                   storage, train)
 from steps.artifacts import write_manifest
 from steps.errors import StepError, one_line, run_main
 from test_untrusted_inputs import _handler, _Http, call, fake_model, nifti_file, onnx_model
@@ -698,6 +698,19 @@ def test_a_network_without_deep_supervision_converts_at_any_depth(ckpt_dataset, 
     assert run_main(train.main, [str(a) for a in [*common, "--max-epochs", "2", "--model",
                                                   tmp_path / "model2", "--checkpoint-uri",
                                                   tmp_path / "ck"]]) == 0
+
+
+def test_a_model_too_large_for_the_memory_is_refused_before_it_is_read(tmp_path, capsys,
+                                                                      monkeypatch):
+    """onnx.load read any file whole (protobuf refuses only past 2 GiB): a model just under
+    the pod's memory was OOM-killed, which Argo retries."""
+    monkeypatch.setenv("UNET_MAX_MEMORY_FRACTION", "5")
+    model = _sparse(tmp_path / "unet2d.onnx", limits.memory_bytes() // 50)
+    status, err = call(predict.main, ["--onnx", model, "--image", tmp_path / "x.nii.gz",
+                                      "--out", tmp_path / "out" / "x.nii.gz"], capsys)
+    assert status == 2, err
+    assert_one_error_line(err, f"--onnx {model}", "over the limit max_memory_fraction=5%")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["unet2d.onnx"]
 
 
 def test_a_local_store_is_made_by_its_first_write(tmp_path):
