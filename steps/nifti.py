@@ -55,10 +55,19 @@ class Volume:
         return (self.slope, self.inter) != (1.0, 0.0)
 
     def values(self) -> np.ndarray:
-        """Voxel values: the stored array when unscaled, else float32 (scaled in float64)."""
+        """Voxel values: the stored array when unscaled, else float32, scaled in float64 a
+        piece of _CHUNK voxels at a time (a whole float64 copy is 8 bytes a voxel: 8 GiB of
+        an int8 volume within max_volume_bytes), the float32 result held to the memory
+        first."""
         if not self.scaled:
             return self.data
-        return (self.data.astype(np.float64) * self.slope + self.inter).astype(np.float32)
+        limits.check_memory(self.data.size * 4, f"{self.path}: its scaled values (float32)")
+        out = np.empty_like(self.data, dtype=np.float32)      # the stored layout
+        stored, scaled = self.data.ravel(order="K"), out.ravel(order="K")   # views of both
+        for start in range(0, stored.size, _CHUNK):
+            piece = stored[start:start + _CHUNK].astype(np.float64)
+            scaled[start:start + _CHUNK] = piece * self.slope + self.inter
+        return out
 
 
 def _read(path: Path) -> bytes:

@@ -17,8 +17,8 @@ import torch
 from tqdm import tqdm
 
 from conftest import REPO, assert_one_error_line, error_lines
-from steps import (checkpoints, convert, download, handoff, limits, predict, quantize, schemas,
-                   storage, train)
+from steps import (checkpoints, convert, download, handoff, limits, nifti, predict, quantize,
+                   schemas, storage, train)
 from steps.artifacts import write_manifest
 from steps.errors import StepError, one_line, run_main
 from test_untrusted_inputs import _handler, _Http, call, fake_model, nifti_file, onnx_model
@@ -711,6 +711,24 @@ def test_a_model_too_large_for_the_memory_is_refused_before_it_is_read(tmp_path,
     assert status == 2, err
     assert_one_error_line(err, f"--onnx {model}", "over the limit max_memory_fraction=5%")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["unet2d.onnx"]
+
+
+def test_a_scaled_volume_is_held_to_the_memory_before_it_is_scaled(tmp_path, capsys,
+                                                                  monkeypatch):
+    """A small .nii.gz of an int8 volume with scl_slope set: its scaled values took 12 bytes
+    a voxel at once (a float64 copy, then float32), 12 GiB of a volume within the 1 GiB
+    max_volume_bytes, which the pod's OOM kill ends and Argo retries."""
+    import nibabel as nib
+    path = tmp_path / "bomb.nii.gz"
+    side = round((limits.memory_bytes() / 200) ** (1 / 3))    # float32 values: 2 % of memory
+    image = nib.Nifti1Image(np.zeros((side, side, side), dtype=np.int8), np.eye(4))
+    image.header.set_slope_inter(2.0, 0.0)
+    nib.save(image, path)
+    assert path.stat().st_size < side ** 3 // 100
+    monkeypatch.setenv("UNET_MAX_MEMORY_FRACTION", "1")
+    status, err = call(lambda _argv: nifti.load(path).values() is None, [], capsys)
+    assert status == 2, err
+    assert_one_error_line(err, f"{path}: its scaled values (float32)", "max_memory_fraction")
 
 
 def test_a_local_store_is_made_by_its_first_write(tmp_path):
