@@ -45,6 +45,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import onnx
+import onnxruntime
 import torch
 from onnxruntime.quantization import (CalibrationMethod, QuantFormat, QuantType,
                                       quantize_static)
@@ -172,6 +173,39 @@ def _each_line_once():
         sys.stdout.write("".join(dict.fromkeys(printed.getvalue().splitlines(keepends=True))))
 
 
+@contextlib.contextmanager
+def sized_sessions(ov=None):
+    """The sessions that onnxruntime's quantization tools and NNCF make in the block get
+    :func:`steps.limits.threads`' pool, as this step's own do: both take the node's cores
+    otherwise, and neither takes session options from its caller (onnxruntime 1.32
+    calibrate.py, ``CalibraterBase.create_inference_session``: a new ``SessionOptions`` per
+    ``onnxruntime.InferenceSession``; NNCF 3.4 openvino/engine.py, ``OVNativeEngine``: a new
+    ``ov.Core()``, and OpenVINO's properties belong to one Core). So the two names they call
+    are swapped for the block (``ov``: the openvino module, when NNCF runs in it)."""
+    threads = limits.threads()
+    session_class, core_class = onnxruntime.InferenceSession, ov.Core if ov else None
+
+    def session(path_or_bytes, sess_options=None, *args, **kwargs):
+        options = sess_options if sess_options is not None else onnxruntime.SessionOptions()
+        if options.intra_op_num_threads == 0:       # 0: onnxruntime's "the machine's"
+            options.intra_op_num_threads = threads
+        return session_class(path_or_bytes, options, *args, **kwargs)
+
+    onnxruntime.InferenceSession = session
+    if ov is not None:
+        class Core(core_class):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.set_property("CPU", {"INFERENCE_NUM_THREADS": threads})
+        ov.Core = Core
+    try:
+        yield
+    finally:
+        onnxruntime.InferenceSession = session_class
+        if ov is not None:
+            ov.Core = core_class
+
+
 def end_convolutions(model) -> list[str]:
     """Names of the first convolution (reads the input) and the last (feeds the output) of
     the model, or of each member of an ensemble (steps.ensemble), in graph order."""
@@ -192,7 +226,7 @@ def quantize(fp32: Path, out: Path, calibration: Calibration, method: str,
     keep = end_convolutions(model) if float_layers == "first-last" else []
     methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
                "percentile": CalibrationMethod.Percentile}
-    with tempfile.TemporaryDirectory() as scratch, _each_line_once():
+    with tempfile.TemporaryDirectory() as scratch, _each_line_once(), sized_sessions():
         prepared = Path(scratch) / "prepared.onnx"
         quant_pre_process(str(fp32), str(prepared), skip_symbolic_shape=True)
         quantize_static(str(prepared), str(out), _Reader(calibration.batches),
@@ -347,9 +381,10 @@ def openvino_ir(fp32: Path, out: Path, calibration: Calibration, keep: list[str]
                                           for name in keep], validate=False)
     # MIXED: asymmetric activations (they follow LeakyReLU and instance norm); the default
     # symmetric preset lost 0.6-0.9 Dice points more on the test models.
-    int8 = nncf.quantize(model, nncf.Dataset(calibration.batches),
-                         subset_size=len(calibration.batches), ignored_scope=ignored,
-                         preset=nncf.QuantizationPreset.MIXED)
+    with sized_sessions(ov):
+        int8 = nncf.quantize(model, nncf.Dataset(calibration.batches),
+                             subset_size=len(calibration.batches), ignored_scope=ignored,
+                             preset=nncf.QuantizationPreset.MIXED)
     ov.save_model(int8, str(out))
     try:  # OpenVINO's CPU plugin also sizes its pool from the node's cores
         compiled = ov.Core().compile_model(str(out), "CPU",

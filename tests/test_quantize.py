@@ -291,3 +291,41 @@ def test_an_openvino_ir_its_cpu_plugin_cannot_compile_is_left_out(exported, tmp_
     assert compiled is None and why == ("not published: OpenVINO's CPU plugin cannot compile "
                                         "it here (could not create a primitive descriptor)")
     assert not list(tmp_path.iterdir())
+
+
+def test_calibrations_sessions_get_the_steps_thread_pool(exported, tmp_path, monkeypatch):
+    """onnxruntime's calibrator and NNCF make their own sessions, which took the node's cores
+    (onnxruntime's intra_op_num_threads 0, OpenVINO's default) whatever the pod's share:
+    each gets limits.threads(), here 1 of this machine's CPUs (UNET_CPUS, as a pod's)."""
+    import onnxruntime
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("UNET_CPUS", "1")
+    sessions: list[int] = []
+    real_session = onnxruntime.InferenceSession
+
+    def recorded(path_or_bytes, sess_options=None, *args, **kwargs):
+        sessions.append(sess_options.intra_op_num_threads if sess_options else 0)
+        return real_session(path_or_bytes, sess_options, *args, **kwargs)
+
+    monkeypatch.setattr(onnxruntime, "InferenceSession", recorded)
+    meta = read_metadata(exported / "dataset")
+    train, _ = fold_names(meta, 0)
+    calibration = calibration_set(open_cases(exported / "dataset", meta, train), 8, 0, (64, 64))
+    fp32 = exported / "exported" / quantize_step.FP32_FILE
+    quantize_step.quantize(fp32, tmp_path / "int8.onnx", calibration, "minmax", "first-last")
+    assert sessions and set(sessions) == {1}, sessions
+    assert onnxruntime.InferenceSession is recorded          # put back after the block
+    ov = pytest.importorskip("openvino", reason="the openvino extra is not installed")
+    pytest.importorskip("nncf", reason="the openvino extra is not installed")
+    compiled: list[int] = []
+
+    class Core(ov.Core):
+        def compile_model(self, *args, **kwargs):
+            model = super().compile_model(*args, **kwargs)
+            compiled.append(model.get_property("INFERENCE_NUM_THREADS"))
+            return model
+
+    monkeypatch.setattr(ov, "Core", Core)
+    quantize_step.openvino_ir(fp32, tmp_path / OPENVINO_FILE, calibration, [])
+    assert len(compiled) >= 2 and set(compiled) == {1}, compiled     # NNCF's, then ours
+    assert ov.Core is Core
