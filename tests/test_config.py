@@ -244,7 +244,8 @@ CREDENTIALS = [
 ]
 
 
-@pytest.mark.parametrize("override,needle,secret", CREDENTIALS, ids=[c[1][:30] for c in CREDENTIALS])
+@pytest.mark.parametrize("override,needle,secret", CREDENTIALS,
+                         ids=[c[1][:30] for c in CREDENTIALS])
 def test_a_credential_in_extra_env_is_refused_without_echoing_it(override, needle, secret):
     """extra_env's values are written into every template of the compiled YAML as literals;
     render, submit and publish never run lint, so the config refuses them."""
