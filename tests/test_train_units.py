@@ -711,13 +711,16 @@ TINY_CHECK = ["--steps", "3", "--warmup", "1", "--batch", "2", "--size", "32", "
 def test_device_check_on_the_cpu_reports_every_run_and_passes(tmp_path):
     """The acceptance check a Gaudi user runs first, here on the CPU: one device and two
     (gloo under torch.distributed.run), each with img/s, compiles, mode and loss parity,
-    its threads sized to the CPUs it is given (a pod's UNET_CPUS) and shared by its ranks."""
+    its threads sized to the CPUs it is given (a pod's UNET_CPUS) and shared by its ranks.
+    OMP_NUM_THREADS, which a parent sets as a child's share (and this test process may hold
+    from an earlier test's set_threads), would take precedence, so it is not passed on."""
     report, temporary = tmp_path / "report.json", tmp_path / "tmp"
     temporary.mkdir()
     done = subprocess.run([sys.executable, "-m", "steps.device_check", "--device", "cpu",
                            "--devices", "2", "--json", str(report), *TINY_CHECK],
                           cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TMPDIR": str(temporary), "UNET_CPUS": "1"})
+                          env={**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"},
+                               "TMPDIR": str(temporary), "UNET_CPUS": "1"})
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     # the launcher left no folder of its own (torch's compile cache stays, for later runs)
     assert [p.name for p in temporary.iterdir() if not p.name.startswith("torchinductor_")] == []
